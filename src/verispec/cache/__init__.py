@@ -1,0 +1,3 @@
+from verispec.cache.kv import KVCache
+
+__all__ = ["KVCache"]

@@ -1,0 +1,62 @@
+"""A preallocated key/value cache owned by the caller, with O(1) rollback.
+
+All sequences in one cache share one length (the reference loop runs one sequence; batched engines keep one
+cache per slot or a paged cache). Rolling back rejected draft tokens is `truncate(n)`: the stale entries stay
+in memory and are overwritten by the next forward, exactly like a position-indexed static cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, T_max, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # committed entries; positions [0, length) are valid
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, max_len: int | None = None, batch: int = 1) -> KVCache:
+        cfg = model.config
+        param = next(model.parameters())
+        return cls(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+            max_len or cfg.context_limit, batch=batch, dtype=param.dtype, device=param.device,
+        )
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor  # [B, Hkv, T, D] for positions length..length+T
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # views [B, Hkv, length+T, D]
+        """Store one layer's new entries after the committed ones; `advance` commits them once all layers ran."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.max_len}")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, num_new: int) -> None:
+        self.length += num_new
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` committed entries (O(1): nothing is copied or freed)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2

@@ -1,0 +1,182 @@
+"""Frozen configuration dataclasses: the one source of defaults for the API and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from verispec.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer hyper-parameters, named as in Hugging Face `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v (and o for llama/mistral) projections carry a bias
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises queries and keys per head before RoPE."""
+        return self.model_type == "qwen3"
+
+    @property
+    def o_bias(self) -> bool:
+        # Qwen2 has q/k/v biases but none on the output projection.
+        return self.attention_bias and self.model_type in ("llama", "mistral")
+
+    @property
+    def context_limit(self) -> int:
+        """Longest sequence (prompt + output) this model attends over exactly."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            # transformers >= 5 nests RoPE settings under rope_parameters; older configs keep them flat.
+            rope = dict(d.get("rope_parameters") or {})
+            theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+                scaling = None
+            eos = d.get("eos_token_id")
+            eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+            if model_type == "qwen2":
+                bias = True
+            else:
+                bias = bool(d.get("attention_bias", False))
+            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+            return cls(
+                model_type=model_type,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bias,
+                sliding_window=int(sliding) if sliding else None,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=eos_ids,
+                pad_token_id=d.get("pad_token_id"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        d: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": "float32",
+        }
+        if self.model_type in ("mistral", "qwen2", "qwen3"):
+            d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = self.sliding_window is not None
+        return d
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping. temperature == 0 means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+VERIFY_RULES = ("auto", "rejection", "sample-match")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings for one generation. k is the draft length per round (0 disables drafting)."""
+
+    k: int = 4
+    # auto: greedy match at temperature 0, rejection sampling otherwise (exact for point-mass drafts too).
+    verify: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ConfigError(f"k must be >= 0, got {self.k}")
+        if self.verify not in VERIFY_RULES:
+            raise ConfigError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")

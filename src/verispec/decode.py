@@ -1,0 +1,154 @@
+"""The single-sequence reference loop: plain and speculative decoding, and the oracle for faster paths.
+
+Invariant: the target's cache holds every committed token but the last (the anchor). Each round feeds
+[anchor, x_1..x_k] in one forward, verifies, truncates the cache to the accepted prefix and commits
+num_accepted + 1 tokens. Plain decoding is the same loop with k = 0, so both share prefill and step shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.cache import KVCache
+from verispec.config import SamplingParams, SpecConfig
+from verispec.drafters.base import EMPTY_DRAFT, Drafter, DraftRequest, Verified
+from verispec.errors import ConfigError
+from verispec.metrics import SpecStats
+from verispec.model.tokenizer import Tokenizer
+from verispec.model.transformer import Transformer
+from verispec.sampling import make_generator, probs_for
+from verispec.stopping import StopChecker
+from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length"
+    stop_reason: str | int | None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    token_ids: list[int]  # tokens committed this round (after stop trimming)
+    text: str  # text delta ("" without a tokenizer)
+    result: GenerationResult | None = None  # set on the last event
+
+
+def validate_prompt(prompt_ids: list[int], vocab_size: int, context_limit: int) -> None:
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty")
+    if len(prompt_ids) >= context_limit:
+        raise ConfigError(
+            f"the prompt has {len(prompt_ids)} tokens; the context limit is {context_limit}, "
+            f"so at most {context_limit - 1} prompt tokens leave room to generate"
+        )
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ConfigError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
+
+
+def _verify(
+    logits: torch.Tensor, draft_tokens: list[int], draft_probs, params: SamplingParams, spec: SpecConfig, generator
+) -> VerifyOutput:
+    # logits [k+1, V] for the anchor and each draft token
+    tokens = torch.tensor(draft_tokens, dtype=torch.long, device=logits.device)
+    num_draft = torch.tensor([len(draft_tokens)], device=logits.device)
+    if params.greedy:
+        return greedy_verify(tokens, num_draft, logits)
+    p = probs_for(logits, params)
+    if spec.verify == "sample-match":
+        return sample_match_verify(tokens, num_draft, p, [generator])
+    return rejection_verify(tokens, num_draft, p, draft_probs, [generator])
+
+
+@torch.inference_mode()
+def decode_stream(
+    target: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams = SamplingParams(),
+    drafter: Drafter | None = None,
+    spec: SpecConfig = SpecConfig(),
+    tokenizer: Tokenizer | None = None,
+    eos_token_ids: tuple[int, ...] | None = None,
+    context_limit: int | None = None,
+    seq_id: int = 0,
+) -> Iterator[StreamEvent]:
+    """Generate for one sequence, yielding each round's committed tokens; the last event carries the result."""
+    start = time.perf_counter()
+    limit = min(context_limit or target.config.context_limit, target.config.context_limit)
+    validate_prompt(prompt_ids, target.config.vocab_size, limit)
+    if eos_token_ids is None:
+        eos_token_ids = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
+    stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
+    generator = None if params.greedy else make_generator(params.seed, target.device)
+    stats = SpecStats()
+    cache = KVCache.for_model(target, max_len=limit)
+    hidden_layers = drafter.needs_hidden_layers if drafter else ()
+    device = target.device
+    if len(prompt_ids) > 1:
+        target(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, num_logits=0)
+    tokens = list(prompt_ids)
+    if drafter is not None:
+        drafter.start(seq_id, tokens)
+    try:
+        while True:
+            n = len(tokens)
+            # Never draft past max_tokens or the context: the bonus token needs room too.
+            budget = min(spec.k, params.max_tokens - len(stopper.output) - 1, limit - n - 1)
+            draft = EMPTY_DRAFT
+            if drafter is not None and budget > 0:
+                draft = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
+            inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
+            logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
+            out = _verify(logits[0], draft.tokens, draft.probs, params, spec, generator)
+            num_accepted = int(out.num_accepted[0])
+            cache.truncate(n + num_accepted)
+            emitted = stopper.extend(out.rows()[0])
+            tokens.extend(emitted.token_ids)
+            stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids))
+            if stats.num_rounds == 1:
+                stats.ttft_s = time.perf_counter() - start
+            if drafter is not None:
+                drafter.accept(Verified(seq_id, num_accepted, emitted.token_ids, {k: v[0] for k, v in hidden.items()}))
+            if emitted.finish_reason is None:
+                yield StreamEvent(emitted.token_ids, emitted.text)
+                continue
+            stats.elapsed_s = time.perf_counter() - start
+            result = GenerationResult(
+                prompt_token_ids=list(prompt_ids),
+                token_ids=list(stopper.output),
+                text=stopper.text if tokenizer is not None else None,
+                finish_reason=emitted.finish_reason,
+                stop_reason=emitted.stop_reason,
+                stats=stats,
+            )
+            yield StreamEvent(emitted.token_ids, emitted.text, result)
+            return
+    finally:
+        if drafter is not None:
+            drafter.finish(seq_id)
+
+
+def decode(target: Transformer, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> GenerationResult:
+    """Run `decode_stream` to the end and return its result."""
+    for event in decode_stream(target, prompt_ids, params, **kwargs):
+        if event.result is not None:
+            return event.result
+    raise AssertionError("decode_stream ended without a result")

@@ -1,0 +1,20 @@
+"""Built-in drafters register themselves here; `build_drafter("name[:arg]", ...)` picks one."""
+
+from verispec.drafters import model, ngram  # noqa: F401  (registration)
+from verispec.drafters.base import (
+    DRAFTERS,
+    EMPTY_DRAFT,
+    Draft,
+    Drafter,
+    DraftRequest,
+    Verified,
+    build_drafter,
+    register_drafter,
+)
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+
+__all__ = [
+    "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "Verified",
+    "build_drafter", "register_drafter",
+]

@@ -1,0 +1,93 @@
+"""The drafter protocol and its registry.
+
+A drafter declares what it needs as data (`needs_hidden_layers`), is told when a sequence starts and ends,
+proposes drafts for a batch of sequences under a per-sequence budget, and hears what verification accepted so it
+can sync its own state. The decode loop and the engine never branch on the kind of drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from verispec.config import SamplingParams
+from verispec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    seq_id: int
+    tokens: list[int]  # committed tokens (prompt + output); the last one is the anchor
+    budget: int  # propose at most this many tokens
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's RNG, for drafters that sample
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]  # k' <= budget proposed tokens
+    probs: torch.Tensor | None = None  # [k', V] the q each token was drawn from; None = point mass (argmax/lookup)
+    confidence: torch.Tensor | None = None  # [k'] estimated P(accepted | all before accepted), if known
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and self.probs.shape[0] != len(self.tokens):
+            raise ValueError(f"draft has {len(self.tokens)} tokens but {self.probs.shape[0]} probability rows")
+
+
+EMPTY_DRAFT = Draft(tokens=[])
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What verification decided for one sequence in one round."""
+
+    seq_id: int
+    num_accepted: int  # leading draft tokens that survived
+    committed: list[int]  # tokens committed this round (accepted + recovered/bonus), after stop trimming
+    target_hidden: dict[int, torch.Tensor]  # {layer: [k+1, d]} for the verified positions, if requested
+
+
+class Drafter:
+    """Base class with no-op lifecycle hooks; subclasses implement `propose`."""
+
+    name: ClassVar[str] = ""
+    needs_hidden_layers: ClassVar[tuple[int, ...]] = ()
+
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        """A sequence begins (its prompt is `prompt`)."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        raise NotImplementedError
+
+    def accept(self, result: Verified) -> None:
+        """Verification of this sequence's last draft is done; roll back anything past the committed prefix."""
+
+    def finish(self, seq_id: int) -> None:
+        """The sequence ended (finished or aborted): free its state."""
+
+
+DrafterFactory = Callable[..., Drafter]
+DRAFTERS: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a factory `f(arg: str | None, *, target, dtype, device) -> Drafter` under `name`."""
+
+    def deco(factory: DrafterFactory) -> DrafterFactory:
+        DRAFTERS[name] = factory
+        return factory
+
+    return deco
+
+
+def build_drafter(spec: str, *, target: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Drafter:
+    """`spec` is `name` or `name:argument`, e.g. `ngram`, `ngram:4` or `model:path/to/checkpoint`."""
+    import verispec.drafters  # noqa: F401  (registers the built-in drafters)
+
+    name, _, arg = spec.partition(":")
+    if name not in DRAFTERS:
+        raise ConfigError(f"unknown drafter {name!r}; available: {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[name](arg or None, target=target, dtype=dtype, device=device)

@@ -1,0 +1,90 @@
+"""An independent small causal LM as drafter, with its own caller-owned cache per sequence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from verispec.cache import KVCache
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
+from verispec.errors import CheckpointError
+from verispec.model.checkpoint import load_model
+from verispec.model.transformer import Transformer
+from verispec.sampling import probs_for, sample
+
+
+class ModelDrafter(Drafter):
+    """Drafts k tokens autoregressively: argmax at temperature 0 (point mass), else sampled from q."""
+
+    name = "model"
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self._caches: dict[int, KVCache] = {}
+        self._round_start: dict[int, int] = {}  # committed length when the last draft was proposed
+
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        self._caches[seq_id] = KVCache.for_model(self.model)
+        self._round_start[seq_id] = len(prompt)
+
+    def finish(self, seq_id: int) -> None:
+        self._caches.pop(seq_id, None)
+        self._round_start.pop(seq_id, None)
+
+    def accept(self, result: Verified) -> None:
+        # The cache holds the committed tokens plus k - 1 drafted ones; drafts past the accepted prefix go.
+        keep = min(self._caches[result.seq_id].length, self._round_start[result.seq_id] + result.num_accepted)
+        self._caches[result.seq_id].truncate(keep)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self._propose_one(r) for r in requests]
+
+    def _propose_one(self, r: DraftRequest) -> Draft:
+        cache = self._caches[r.seq_id]
+        budget = min(r.budget, cache.max_len - len(r.tokens))
+        if budget <= 0:
+            return EMPTY_DRAFT
+        self._round_start[r.seq_id] = len(r.tokens)
+        pending = r.tokens[cache.length :]  # committed tokens the draft model has not seen yet
+        tokens, rows = [], []
+        for _ in range(budget):
+            inp = torch.tensor([pending], device=self.model.device)
+            logits, _ = self.model(inp, cache=cache, num_logits=1)
+            logits = logits[0, -1]
+            if r.params.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_for(logits, r.params)
+                tok = int(sample(q, r.generator))
+                rows.append(q)
+            tokens.append(tok)
+            pending = [tok]
+        return Draft(tokens=tokens, probs=torch.stack(rows) if rows else None)
+
+
+def check_vocab_compatible(target_dir: Path | None, draft_dir: Path, target: Transformer, draft: Transformer) -> None:
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise CheckpointError(
+            f"drafter vocabulary ({draft.config.vocab_size}) does not match the target's ({target.config.vocab_size})"
+        )
+    if target_dir is None:
+        return
+    t_tok, d_tok = Path(target_dir) / "tokenizer.json", draft_dir / "tokenizer.json"
+    if t_tok.is_file() and d_tok.is_file():
+        if json.loads(t_tok.read_text()).get("model", {}).get("vocab") != json.loads(d_tok.read_text()).get(
+            "model", {}
+        ).get("vocab"):
+            raise CheckpointError(f"drafter tokenizer in {draft_dir} differs from the target's tokenizer")
+
+
+@register_drafter("model")
+def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> ModelDrafter:
+    """`model:DIR` loads a checkpoint directory; plain `model` drafts with the target itself (self-draft)."""
+    if arg is None:
+        return ModelDrafter(target)
+    draft = load_model(arg, dtype=dtype, device=device)
+    check_vocab_compatible(getattr(target, "source_dir", None), Path(arg), target, draft)
+    return ModelDrafter(draft)

@@ -1,0 +1,80 @@
+"""The decoder-only transformer shared by targets and model drafters (Llama, Mistral, Qwen2, Qwen3)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from verispec.cache import KVCache
+from verispec.config import ModelConfig
+from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+class Transformer(nn.Module):
+    """`forward` never owns the cache: the caller passes one in and decides what to keep (truncate)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor | None = None,  # [B, T]; default: cache.length + arange(T)
+        cache: KVCache | None = None,
+        hidden_layers: Sequence[int] = (),
+        num_logits: int | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run T new tokens after the cache's committed entries and commit them to the cache.
+
+        Returns logits [B, T', V] for the last T' = num_logits positions (all T by default; 0 skips the LM head)
+        and {layer: hidden [B, T, d]} for each requested layer, indexed as Hugging Face `hidden_states`:
+        0 is the embedding output and l the output of decoder layer l (the last one before the final norm).
+        """
+        bsz, seqlen = tokens.shape
+        start = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(start, start + seqlen, device=tokens.device).expand(bsz, seqlen)
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        mask = None
+        if start > 0 and seqlen > 1:
+            # New token i sits at cache index start + i and may see every index up to that one.
+            rows = torch.arange(seqlen, device=tokens.device)[:, None] + start
+            mask = torch.arange(start + seqlen, device=tokens.device)[None, :] <= rows
+        wanted = set(hidden_layers)
+        hidden = {0: x} if 0 in wanted else {}
+        for i, layer in enumerate(self.model.layers, start=1):
+            x = layer(x, cos, sin, cache, mask)
+            if i in wanted:
+                hidden[i] = x
+        if cache is not None:
+            cache.advance(seqlen)
+        n = seqlen if num_logits is None else num_logits
+        if n == 0:
+            return x.new_zeros(bsz, 0, self.config.vocab_size), hidden
+        logits = self.lm_head(self.model.norm(x[:, seqlen - n :]))
+        return logits, hidden

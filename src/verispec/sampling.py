@@ -1,0 +1,60 @@
+"""Logits -> probabilities and seeded sampling. Pure tensor functions.
+
+The *processed* distribution (temperature, top-k, top-p applied) is the distribution the output must follow:
+p for the target and q for the draft are always processed with the same parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.config import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator; an unseeded request draws its seed from torch's global RNG."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    g.manual_seed(seed)
+    return g
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [..., V]
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:  # [..., V] fp32, rows sum to 1
+    """Processed sampling distribution. temperature must be > 0 (greedy does not need probabilities)."""
+    if temperature <= 0:
+        raise ValueError("logits_to_probs needs temperature > 0; use greedy() for temperature 0")
+    logits = logits.float() / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def probs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
+    """argmax; ties go to the lowest token id in every path (torch.argmax returns the first maximum)."""
+    return logits.argmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:  # [..., V] -> [...]
+    """Sample from each row with an exponential race: argmax(p / E), E ~ Exp(1), which is exact and sync-free."""
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(1.0, generator=generator)
+    return (probs.float() / noise).argmax(dim=-1)

@@ -1,0 +1,182 @@
+"""Verification rules: pure, batched tensor functions with no model calls.
+
+Vocabulary (Leviathan et al.): p is the target distribution, q the draft distribution. For each request the
+drafter proposed k draft tokens x_1..x_k and the target scored k + 1 positions in one forward pass (the anchor
+and every draft token), giving p_1..p_{k+1}. Verification returns the committed tokens of each request:
+
+- accepted: the leading draft tokens that survive;
+- recovered: at the first rejection, a token drawn from the residual norm(max(0, p_j - q_j)) (greedy: argmax p_j);
+- bonus: after a fully accepted draft, a token drawn from p_{k+1}.
+
+So a request always commits num_accepted + 1 tokens. Ragged batches are flattened: request b owns k_b draft
+rows and k_b + 1 target rows, stored back to back in request order. Outputs are padded with
+PLACEHOLDER_TOKEN_ID.
+
+Three rules:
+- greedy_verify: accept while x_j == argmax p_j (temperature 0).
+- sample_match_verify: draw y_j ~ p_j, accept while x_j == y_j; needs no q, lossless, lower acceptance at T > 0.
+- rejection_verify: accept x_j with probability min(1, p_j(x_j) / q_j(x_j)). q=None means a point-mass draft
+  (n-gram, argmax drafters): q_j is one-hot at x_j, so acceptance is p_j(x_j) and the residual is p_j with x_j
+  removed. Lossless for any q as long as q is exactly the distribution x_j was drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    tokens: torch.Tensor  # [B, K+1] committed tokens, PLACEHOLDER_TOKEN_ID after the last one
+    num_accepted: torch.Tensor  # [B] accepted draft tokens per request, 0..k_b
+
+    @property
+    def num_committed(self) -> torch.Tensor:  # [B]
+        return self.num_accepted + 1
+
+    def rows(self) -> list[list[int]]:
+        """Committed token ids per request (one host transfer)."""
+        counts = self.num_committed.tolist()
+        return [row[:n] for row, n in zip(self.tokens.tolist(), counts)]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Index maps from the flattened ragged layout to a padded [B, K(+1)] layout."""
+
+    target_index: torch.Tensor  # [B, K+1] rows of the target tensor (clamped where invalid)
+    target_valid: torch.Tensor  # [B, K+1] j <= k_b
+    draft_index: torch.Tensor  # [B, K] rows of the draft tensor (clamped where invalid)
+    draft_valid: torch.Tensor  # [B, K] j < k_b
+
+    @staticmethod
+    def build(num_draft: torch.Tensor, num_target_rows: int) -> _Layout:
+        num_draft = num_draft.long()
+        max_k = int(num_draft.max()) if num_draft.numel() else 0
+        j = torch.arange(max_k + 1, device=num_draft.device)
+        target_start = torch.cumsum(num_draft + 1, 0) - (num_draft + 1)
+        draft_start = torch.cumsum(num_draft, 0) - num_draft
+        target_index = (target_start[:, None] + j[None]).clamp(max=max(num_target_rows - 1, 0))
+        num_draft_rows = int(num_draft.sum())
+        draft_index = (draft_start[:, None] + j[None, :max_k]).clamp(max=max(num_draft_rows - 1, 0))
+        return _Layout(
+            target_index=target_index,
+            target_valid=j[None] <= num_draft[:, None],
+            draft_index=draft_index,
+            draft_valid=j[None, :max_k] < num_draft[:, None],
+        )
+
+
+def _padded_drafts(draft_tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:  # [B, K]
+    if draft_tokens.numel() == 0:
+        return torch.full(layout.draft_valid.shape, PLACEHOLDER_TOKEN_ID, dtype=torch.long,
+                          device=layout.draft_valid.device)
+    d = draft_tokens.long()[layout.draft_index]
+    return d.masked_fill(~layout.draft_valid, PLACEHOLDER_TOKEN_ID)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:  # [B, K] bool -> [B] count of leading True
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    return mask.long().cumprod(dim=1).sum(dim=1)
+
+
+def _commit(accepted_prefix: torch.Tensor, final: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """Rows of [x_1..x_a, final, PLACEHOLDER...]. accepted_prefix: [B, K]; final, num_accepted: [B]."""
+    batch, max_k = accepted_prefix.shape
+    j = torch.arange(max_k + 1, device=final.device)[None]
+    padded = torch.cat([accepted_prefix, accepted_prefix.new_zeros(batch, 1)], dim=1)
+    out = torch.where(j < num_accepted[:, None], padded, PLACEHOLDER_TOKEN_ID)
+    return torch.where(j == num_accepted[:, None], final[:, None], out)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor,  # [N] all requests' draft tokens, flattened
+    num_draft: torch.Tensor,  # [B] k_b per request, sum = N
+    target_logits: torch.Tensor,  # [N + B, V]
+) -> VerifyOutput:
+    layout = _Layout.build(num_draft, target_logits.shape[0])
+    target_argmax = target_logits.argmax(dim=-1)[layout.target_index]  # [B, K+1]
+    drafts = _padded_drafts(draft_tokens, layout)
+    num_accepted = _leading_true((drafts == target_argmax[:, :-1]) & layout.draft_valid)
+    final = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
+    return VerifyOutput(_commit(drafts, final, num_accepted), num_accepted)
+
+
+def _per_row(generators: Sequence[torch.Generator | None], batch: int) -> Sequence[torch.Generator | None]:
+    if len(generators) != batch:
+        raise ValueError(f"need one generator per request: got {len(generators)} for a batch of {batch}")
+    return generators
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Sample from each row of probs [R, V] with one Exp(1) draw per entry (same as sampling.sample)."""
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(1.0, generator=generator)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
+def sample_match_verify(
+    draft_tokens: torch.Tensor,  # [N]
+    num_draft: torch.Tensor,  # [B]
+    target_probs: torch.Tensor,  # [N + B, V] processed target distributions
+    generators: Sequence[torch.Generator | None],  # [B]
+) -> VerifyOutput:
+    layout = _Layout.build(num_draft, target_probs.shape[0])
+    batch, width = layout.target_index.shape
+    ks = num_draft.tolist()
+    samples = torch.zeros(batch, width, dtype=torch.long, device=target_probs.device)
+    for b, g in enumerate(_per_row(generators, batch)):
+        # Each request draws exactly (k_b + 1) x V noise: its tokens never depend on the rest of the batch.
+        samples[b, : ks[b] + 1] = _race(target_probs[layout.target_index[b, : ks[b] + 1]], g)
+    drafts = _padded_drafts(draft_tokens, layout)
+    num_accepted = _leading_true((drafts == samples[:, :-1]) & layout.draft_valid)
+    final = samples.gather(1, num_accepted[:, None]).squeeze(1)
+    return VerifyOutput(_commit(drafts, final, num_accepted), num_accepted)
+
+
+def rejection_verify(
+    draft_tokens: torch.Tensor,  # [N]
+    num_draft: torch.Tensor,  # [B]
+    target_probs: torch.Tensor,  # [N + B, V] processed target distributions p
+    draft_probs: torch.Tensor | None,  # [N, V] the q each draft token was drawn from; None = point mass
+    generators: Sequence[torch.Generator | None],  # [B]
+) -> VerifyOutput:
+    layout = _Layout.build(num_draft, target_probs.shape[0])
+    batch, width = layout.target_index.shape
+    vocab = target_probs.shape[-1]
+    drafts = _padded_drafts(draft_tokens, layout)  # [B, K]
+    safe_drafts = drafts.clamp(min=0)
+    p = target_probs.float()[layout.target_index]  # [B, K+1, V]
+    if draft_probs is None:
+        q = torch.nn.functional.one_hot(safe_drafts, vocab).float()  # [B, K, V]
+    elif draft_probs.shape[0] == 0:
+        q = p.new_zeros(batch, width - 1, vocab)
+    else:
+        q = draft_probs.float()[layout.draft_index]
+    p_x = p[:, :-1].gather(2, safe_drafts[..., None]).squeeze(2)  # [B, K]
+    q_x = q.gather(2, safe_drafts[..., None]).squeeze(2)
+    accept_prob = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), torch.zeros_like(p_x)).clamp(max=1.0)
+
+    ks = num_draft.tolist()
+    uniforms = torch.ones(batch, width - 1, device=p.device)  # 1.0 never accepts (u < accept_prob <= 1)
+    for b, g in enumerate(_per_row(generators, batch)):
+        uniforms[b, : ks[b]] = torch.rand(ks[b], generator=g, device=p.device)
+    num_accepted = _leading_true((uniforms < accept_prob) & layout.draft_valid)
+
+    # Final token: from the residual at the first rejection, or the bonus from p_{k+1}.
+    rows = torch.arange(batch, device=p.device)
+    p_final = p[rows, num_accepted]  # [B, V]
+    rejected = num_accepted < num_draft.to(p.device)
+    q_final = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)[rows, num_accepted]
+    residual = (p_final - q_final).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # A zero residual only happens through rounding when p == q; p itself is then the right distribution.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_final)
+    final_probs = torch.where(rejected[:, None], residual, p_final)
+    final = torch.stack([_race(final_probs[b : b + 1], g)[0] for b, g in enumerate(generators)])
+    return VerifyOutput(_commit(drafts, final, num_accepted), num_accepted)
