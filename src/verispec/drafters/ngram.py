@@ -10,7 +10,8 @@ from verispec.errors import ConfigError
 
 
 def lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
-    """Continue the longest suffix n-gram (max_n down to min_n) from its most recent earlier occurrence.
+    """Continue the longest suffix n-gram (max_n down to min_n) from an earlier occurrence: the most recent
+    one followed by at least k tokens, else the earliest (the longest continuation available).
 
     Example: tokens = [1, 2, 3, 4, 2, 3], max_n = 2, k = 2: the suffix [2, 3] occurred at index 1, so the
     draft is what followed it, [4, 2].
@@ -22,7 +23,8 @@ def lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits <= length - n - k]
+            start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start : start + k].tolist()
     return []
 

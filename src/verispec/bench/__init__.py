@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side timings (ratios, medians over repeats), never timed tests."""

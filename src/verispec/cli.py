@@ -1,0 +1,108 @@
+"""`verispec <verb>`: one typed function per verb. Bad input prints one `error:` line and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from verispec.config import SamplingParams
+from verispec.errors import VerispecError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt, speculatively or plainly")
+    p.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face layout)")
+    p.add_argument("--drafter", default=None, help="ngram | ngram:MAX_N | model (self-draft) | model:DIR; none = plain")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--verify", default="auto", choices=["auto", "rejection", "sample-match"])
+    p.add_argument("--temperature", type=float, default=SamplingParams.temperature)
+    p.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    p.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file whose contents are the prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--compare", action="store_true", help="also decode plainly: report equal_to_plain and speedup")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from verispec.api import LLM, set_threads
+
+    set_threads(args.threads)
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_text()
+        except OSError as e:
+            raise VerispecError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+    else:
+        prompt = args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.target, drafter=args.drafter, k=args.k, verify=args.verify, dtype=args.dtype)
+    if args.compare:
+        # Warm both paths once so one-off allocation costs fall on neither measurement.
+        warm = SamplingParams(max_tokens=4, ignore_eos=True)
+        llm.generate(prompt, warm, plain=True)
+        llm.generate(prompt, warm)
+    if args.json:
+        result = llm.generate(prompt, params)[0]
+    else:
+        result = None
+        for event in llm.stream(prompt, params):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            result = event.result or result
+        sys.stdout.write("\n")
+    out = result.to_dict()
+    if args.compare:
+        t0 = time.perf_counter()
+        plain = llm.generate(prompt, params, plain=True)[0]
+        plain_s = time.perf_counter() - t0
+        out["equal_to_plain"] = plain.token_ids == result.token_ids
+        out["speedup"] = plain_s / result.stats.elapsed_s if result.stats.elapsed_s > 0 else None
+        out["plain_tokens_per_s"] = plain.stats.tokens_per_s
+    if args.json:
+        print(json.dumps(out))
+    else:
+        s = out["stats"]
+        line = (f"[{len(result.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f}, "
+                f"acceptance {s['acceptance_rate']:.2f}, finish {result.finish_reason}")
+        if args.compare:
+            line += f", plain {out['plain_tokens_per_s']:.1f} tok/s, speedup {out['speedup']:.2f}x, " \
+                    f"equal_to_plain {out['equal_to_plain']}"
+        print(line + "]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VerispecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

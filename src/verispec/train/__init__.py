@@ -1,0 +1,1 @@
+"""Training: corpus, tokenizer, target and drafter recipes."""

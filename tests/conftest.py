@@ -1,0 +1,72 @@
+"""Tiny random fp32 models and a tiny byte-level BPE tokenizer, shared by the tests."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from verispec.config import ModelConfig
+from verispec.model import Transformer, save_model
+from verispec.model.tokenizer import Tokenizer
+
+TOKENIZER_TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "The quick brown fox jumps over the lazy dog. Speculative decoding is exact.\n"
+    "naïve café – ünïcödé ✓ 日本語のテキスト 🙂\n"
+) * 4
+
+
+def tiny_config(vocab_size: int = 97, model_type: str = "llama", **kw) -> ModelConfig:
+    base = dict(
+        model_type=model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=(),
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, std: float = 0.2, **kw) -> Transformer:
+    """A random fp32 model. std=0.2 (not 0.02) keeps argmax sequences non-degenerate (machine.md §5)."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**kw))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return model.eval()
+
+
+def make_tokenizer(vocab_size: int = 320) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    return Tokenizer(tok, eos_token_ids=(tok.token_to_id("<eos>"),))
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return make_tokenizer()
+
+
+@pytest.fixture
+def model() -> Transformer:
+    return tiny_model()
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path, tokenizer):
+    """A saved tiny checkpoint with a tokenizer.json, whose vocabulary matches the tokenizer."""
+    m = tiny_model(vocab_size=tokenizer.vocab_size)
+    save_model(m, tmp_path / "target")
+    tokenizer.save(tmp_path / "target")
+    return tmp_path / "target"
