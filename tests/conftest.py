@@ -21,6 +21,11 @@ TOKENIZER_TEXT = (
 ) * 4
 
 
+def pytest_configure(config) -> None:
+    # Tiny models gain nothing from a second thread, and parallel runs of the suite would oversubscribe.
+    torch.set_num_threads(1)
+
+
 def tiny_config(vocab_size: int = 97, model_type: str = "llama", **kw) -> ModelConfig:
     base = dict(
         model_type=model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

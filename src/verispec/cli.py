@@ -53,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.target, drafter=args.drafter, k=args.k, verify=args.verify, dtype=args.dtype)
     if args.compare:
         # Warm both paths once so one-off allocation costs fall on neither measurement.
-        warm = SamplingParams(max_tokens=4, ignore_eos=True)
+        warm = SamplingParams(max_tokens=2 * args.k + 2, ignore_eos=True)
         llm.generate(prompt, warm, plain=True)
         llm.generate(prompt, warm)
     if args.json:
@@ -86,10 +86,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (side by side, medians over repeats)")
+    p.add_argument("suite", choices=["core"], help="core: plain decoding vs HF generate, ngram, per-forward cost")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help="where random checkpoints are kept")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from verispec.bench import core
+
+    return core.main(args.out, args.repeats, args.new_tokens, args.threads, args.cache_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="verb", required=True)
     _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 
