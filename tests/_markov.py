@@ -1,9 +1,10 @@
-"""Synthetic order-1 Markov target/draft, a batched speculative-decoding simulator and the losslessness checker.
+"""Synthetic order-1 Markov target/draft, a batched speculative-decoding simulator, the losslessness checker.
 
 Used by test_verify_stats.py (reliability.md §3.6 and checklist item A5). The model has V tokens plus a start
 state (row V of the transition matrices): P[s] is the processed target distribution of the next token after s,
-Q[s] the processed draft distribution. A correct speculative sampler must produce sequences distributed exactly
-as the Markov chain P, so every adjacent pair (x_t, x_{t+1}) must follow the exact joint m_t(a) * P[a, b].
+Q[s] the processed draft distribution. A correct speculative sampler must produce sequences distributed
+exactly as the Markov chain P, so every adjacent pair (x_t, x_{t+1}) must follow the exact joint
+m_t(a) * P[a, b], where m_t is the marginal of x_t.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def markov_logits(vocab: int = 8, seed: int = 0, target_scale: float = 1.5, draf
     return target, draft
 
 
-def processed(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def processed(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """The processed distribution (what the output must follow), via the library's logits_to_probs."""
     return logits_to_probs(logits, temperature, top_k, top_p)
 
@@ -73,8 +74,10 @@ def simulate(
         ctx = prev
         for i in range(k):
             q_i = Q[ctx]
-            if drafter == "sample":
-                x = torch.multinomial(q_i, 1, generator=draft_gen).squeeze(1)
+            if drafter == "sample":  # inverse CDF, u in (0, total]: never lands on a zero-probability token
+                cdf = q_i.double().cumsum(dim=-1)
+                u = (1.0 - torch.rand(batch, 1, generator=draft_gen, dtype=torch.float64)) * cdf[:, -1:]
+                x = (cdf < u).sum(dim=-1)
             elif drafter == "argmax":
                 x = q_i.argmax(dim=-1)
             else:
@@ -161,7 +164,7 @@ def pairwise_failures(seqs: torch.Tensor, P: torch.Tensor) -> list[str]:
         pval = _chi_square_p(counts[probs > 0], probs[probs > 0])
         if tv >= limit or pval <= alpha or impossible:
             failures.append(
-                f"pair ({t},{t + 1}): TV={tv:.4f} (limit {limit:.4f}), chi2 p={pval:.2e} (limit {alpha:.1e}), "
-                f"impossible pairs={impossible}"
+                f"pair ({t},{t + 1}): TV={tv:.4f} (limit {limit:.4f}), chi2 p={pval:.2e} "
+                f"(limit {alpha:.1e}), impossible pairs={impossible}"
             )
     return failures
