@@ -31,6 +31,7 @@ def tiny_config(vocab_size: int = 97, model_type: str = "llama", **kw) -> ModelC
         model_type=model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=(),
     )
+    base["attention_bias"] = model_type == "qwen2"  # HF's Qwen2 always has q/k/v biases
     base.update(kw)
     return ModelConfig(**base)
 

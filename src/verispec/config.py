@@ -34,6 +34,22 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        # Hugging Face hard-codes these: Qwen2 always has q/k/v biases, Mistral never has any.
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ConfigError("qwen2 models always have q/k/v biases (attention_bias=True)")
+        if self.model_type == "mistral" and self.attention_bias:
+            raise ConfigError("mistral models have no attention biases (attention_bias=False)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
     @property
     def qk_norm(self) -> bool:
         """Qwen3 normalises queries and keys per head before RoPE."""
@@ -41,8 +57,8 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        # Qwen2 has q/k/v biases but none on the output projection.
-        return self.attention_bias and self.model_type in ("llama", "mistral")
+        # Qwen2 has q/k/v biases but none on the output projection; Llama and Qwen3 bias all four.
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
 
     @property
     def context_limit(self) -> int:
@@ -69,10 +85,7 @@ class ModelConfig:
                 scaling = None
             eos = d.get("eos_token_id")
             eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
-            if model_type == "qwen2":
-                bias = True
-            else:
-                bias = bool(d.get("attention_bias", False))
+            bias = {"qwen2": True, "mistral": False}.get(model_type, bool(d.get("attention_bias", False)))
             sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
             return cls(
                 model_type=model_type,

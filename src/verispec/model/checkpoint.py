@@ -88,6 +88,13 @@ def load_model(
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    # Rotary tables are derived, never weights; anything else unexpected means config and weights disagree.
+    unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: unexpected tensor {unexpected[0]}" + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+            + "; does config.json match the weights?"
+        )
     for name, ref in expected.items():
         if tuple(state[name].shape) != tuple(ref.shape):
             raise CheckpointError(
@@ -99,7 +106,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were built on the meta device: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
-    return model.to(device).eval()
+    return model.to(device).eval().fuse_projections()
 
 
 def save_model(model: Transformer, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
@@ -107,7 +114,8 @@ def save_model(model: Transformer, path: str | Path, dtype: str | torch.dtype | 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dt = parse_dtype(dtype) if dtype is not None else model.dtype
-    state = {k: v.detach().to(dt).contiguous() for k, v in model.state_dict().items()}
+    # clone: fused projections are views of one tensor, and safetensors refuses shared storage.
+    state = {k: v.detach().to(dt).clone().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

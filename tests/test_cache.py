@@ -1,0 +1,196 @@
+"""KVCache semantics (write / advance / truncate / overflow) and rollback exactness with a model: a cache that
+was extended and truncated back computes exactly what a fresh cache computes, including the draft model's
+cache inside ModelDrafter across partially accepted rounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from verispec.cache import KVCache
+from verispec.config import SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters import ModelDrafter
+from verispec.drafters.base import Draft, DraftRequest, Verified
+
+L, H, D, T_MAX = 2, 2, 4, 8
+
+
+def _kv(t: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.full((1, H, t, D), fill)
+    return k, -k
+
+
+def test_write_advance_truncate_semantics():
+    """write places entries after the committed ones and returns views up to them; only advance commits;
+    truncate rolls back, and the next write overwrites the stale entries."""
+    c = KVCache(L, H, D, T_MAX)
+    assert c.length == 0 and c.k.shape == (L, 1, H, T_MAX, D)
+    for layer in range(L):
+        k, v = c.write(layer, *_kv(3, 1.0 + layer))
+        assert k.shape == v.shape == (1, H, 3, D)
+        assert torch.all(k == 1.0 + layer) and torch.all(v == -(1.0 + layer))
+    assert c.length == 0  # writing alone commits nothing
+    c.advance(3)
+    assert c.length == 3
+    k, v = c.write(0, *_kv(2, 5.0))
+    assert k.shape == (1, H, 5, D)
+    assert torch.all(k[:, :, :3] == 1.0) and torch.all(k[:, :, 3:] == 5.0) and torch.all(v[:, :, 3:] == -5.0)
+    c.advance(2)
+    c.truncate(4)
+    assert c.length == 4
+    k, _ = c.write(0, *_kv(1, 7.0))  # overwrites the stale position 4
+    assert k.shape == (1, H, 5, D) and torch.all(k[:, :, 4] == 7.0) and torch.all(k[:, :, 3] == 5.0)
+    c.truncate(4)  # truncating to the current length is a no-op
+    c.truncate(0)
+    assert c.length == 0
+    assert c.nbytes == 2 * L * H * T_MAX * D * 4
+
+
+def test_truncate_beyond_length_raises():
+    """truncate may only shrink: a larger (or negative) length is a ValueError and changes nothing."""
+    c = KVCache(L, H, D, T_MAX)
+    c.advance(3)
+    for bad in (4, T_MAX, -1):
+        with pytest.raises(ValueError, match="truncate"):
+            c.truncate(bad)
+        assert c.length == 3
+
+
+def test_overflow_raises():
+    """Writing past max_len raises (naming the capacity) and leaves the committed length unchanged."""
+    c = KVCache(L, H, D, T_MAX)
+    c.write(0, *_kv(6, 1.0))
+    c.advance(6)
+    c.write(0, *_kv(2, 2.0))  # exactly full is fine
+    with pytest.raises(ValueError, match="overflow"):
+        c.write(0, *_kv(3, 3.0))
+    assert c.length == 6
+
+
+def test_model_forward_overflowing_the_cache_raises():
+    """A model forward that would run past the cache's capacity fails instead of silently wrapping."""
+    m = tiny_model()
+    c = KVCache.for_model(m, max_len=10)
+    m(torch.zeros(1, 8, dtype=torch.long), cache=c)
+    with pytest.raises(ValueError, match="overflow"):
+        m(torch.zeros(1, 3, dtype=torch.long), cache=c)
+
+
+def test_for_model_follows_the_model():
+    """for_model sizes the cache from the config (context_limit by default) with the model's dtype."""
+    m = tiny_model()
+    c = KVCache.for_model(m)
+    cfg = m.config
+    assert c.k.shape == (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.context_limit, cfg.head_dim)
+    assert c.k.dtype == m.dtype and c.max_len == cfg.context_limit
+    assert KVCache.for_model(m.to(torch.bfloat16), max_len=16).k.dtype == torch.bfloat16
+
+
+def _ids(n: int, seed: int, vocab: int = 97) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def test_rollback_then_extend_equals_fresh_cache():
+    """prefix, 5 speculative tokens, truncate back, 3 other tokens == a fresh cache fed prefix + those 3."""
+    m = tiny_model()
+    prefix, spec, other = _ids(11, 1), _ids(5, 2), _ids(3, 3)
+    c = KVCache.for_model(m)
+    m(prefix, cache=c)
+    m(spec, cache=c)
+    c.truncate(prefix.shape[1])
+    got, _ = m(other, cache=c)
+    fresh = KVCache.for_model(m)
+    m(prefix, cache=fresh)
+    want, _ = m(other, cache=fresh)
+    assert torch.equal(got, want)
+    assert c.length == fresh.length == 14
+    torch.testing.assert_close(got, m(torch.cat([prefix, other], 1))[0][:, -3:], atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_repeated_rollback_cycles_stay_exact():
+    """Many extend / partial-truncate / re-extend cycles (as in speculative rounds, incl. single-token steps):
+    each step's logits equal a fresh cache's for the same committed tokens + new ones."""
+    m = tiny_model()
+    rng = random.Random(0)
+    committed = _ids(6, 4)[0].tolist()
+    c = KVCache.for_model(m)
+    m(torch.tensor([committed]), cache=c)
+    for step in range(12):
+        n = rng.randrange(1, 6)
+        new = [rng.randrange(97) for _ in range(n)]
+        got, _ = m(torch.tensor([new]), cache=c)
+        fresh = KVCache.for_model(m)
+        m(torch.tensor([committed]), cache=fresh)
+        want, _ = m(torch.tensor([new]), cache=fresh)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=f"step {step}")
+        keep = rng.randrange(0, n + 1)  # accept a prefix of the new tokens
+        c.truncate(len(committed) + keep)
+        committed += new[:keep]
+        assert c.length == len(committed)
+
+
+class _CheckedDrafter(ModelDrafter):
+    """A ModelDrafter that checks, every round, that its cached proposals equal a from-scratch (no-cache)
+    greedy continuation and that its cache holds exactly the committed prefix after accept."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rounds: list[tuple[int, int]] = []  # (drafted, accepted)
+        self._last: dict[int, int] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = super().propose(requests)
+        for r, d in zip(requests, drafts):
+            assert d.tokens == self._fresh_greedy(r.tokens, len(d.tokens)), "draft cache is stale"
+            self._last[r.seq_id] = (len(r.tokens), len(d.tokens))
+        return drafts
+
+    def accept(self, result: Verified) -> None:
+        super().accept(result)
+        n, drafted = self._last[result.seq_id]
+        self.rounds.append((drafted, result.num_accepted))
+        # Committed prefix = n tokens + accepted drafts; the last draft token was never fed to the draft model.
+        assert self._caches[result.seq_id].length == n + min(result.num_accepted, drafted - 1)
+
+    @torch.inference_mode()
+    def _fresh_greedy(self, tokens: list[int], k: int) -> list[int]:
+        seq = list(tokens)
+        for _ in range(k):
+            logits, _ = self.model(torch.tensor([seq]), num_logits=1)
+            seq.append(int(logits[0, -1].argmax()))
+        return seq[len(tokens) :]
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed-copy", "independent"])
+def test_model_drafter_cache_consistent_after_partial_acceptance(draft_kind):
+    """Speculative greedy decoding with a separate draft model equals plain greedy; the draft model's cache
+    rolls back correctly after partially accepted rounds (checked every round against a no-cache rerun).
+    The independent random draft is the light check (it is almost never accepted)."""
+    target = tiny_model(seed=0)
+    if draft_kind == "perturbed-copy":  # close to the target: full, partial and rejected rounds all occur
+        draft = tiny_model(seed=0)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+    else:
+        draft = tiny_model(seed=7, num_hidden_layers=1)
+    prompt = _ids(10, 9)[0].tolist()
+    params = SamplingParams(max_tokens=40)
+    plain = decode(target, prompt, params)
+    drafter = _CheckedDrafter(draft)
+    spec = decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=4))
+    assert spec.token_ids == plain.token_ids
+    assert len(spec.token_ids) == 40
+    assert drafter.rounds and not drafter._caches  # finish() freed the sequence's cache
+    if draft_kind == "perturbed-copy":
+        rounds = drafter.rounds
+        assert any(0 < acc < drafted for drafted, acc in rounds), rounds  # partial: cache truncated mid-draft
+        assert any(acc == drafted > 1 for drafted, acc in rounds), rounds  # all accepted: nothing to roll back
+        assert any(acc == 0 for drafted, acc in rounds), rounds  # all rejected
