@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class LLM:
             if self.tokenizer is None:
                 raise ConfigError("text prompts need a tokenizer: the checkpoint has no tokenizer.json")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
         return [int(t) for t in prompt]
 
     def _kwargs(self, plain: bool) -> dict:
@@ -73,7 +76,9 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generate for each prompt (text or token ids). `plain=True` skips the drafter (for comparisons)."""
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # one prompt
         return [decode(self.target, self.encode(p), params, **self._kwargs(plain)) for p in prompts]
 

@@ -76,6 +76,7 @@ class IncrementalDetokenizer:
         self._context = list(prompt_ids[-4:]) if prompt_ids else []
         self._prefix = 0  # window start (index into context + ids)
         self._read = len(self._context)  # tokens up to here are fully emitted
+        self._held = 0  # characters of the window past _read already emitted while its tail is incomplete
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly printable text (possibly empty)."""
@@ -89,10 +90,14 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         seq = self._context + self.ids
         prefix_text = self.tok.decode(seq[self._prefix : self._read])
-        full_text = self.tok.decode(seq[self._prefix :])
-        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
-            return ""
-        delta = full_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(seq)
+        new = self.tok.decode(seq[self._prefix :])[len(prefix_text) :]
+        incomplete = new.endswith("\ufffd") and not final
+        # Emit the complete characters now (a stop string may end there); hold back only the broken tail.
+        ready = new.rstrip("\ufffd") if incomplete else new
+        delta = ready[self._held :]
+        if incomplete:
+            self._held = len(ready)
+        else:
+            self._prefix, self._read, self._held = self._read, len(seq), 0
         self.text += delta
         return delta
