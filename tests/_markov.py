@@ -125,7 +125,7 @@ def tv_limit(cells: int, n: int) -> float:
     return 2.0 * math.sqrt(cells / (2.0 * math.pi * n))
 
 
-def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     """Goodness-of-fit p-value; cells with expected count < 5 are pooled into one bin."""
     n = counts.sum()
     expected = probs * n
@@ -161,7 +161,7 @@ def pairwise_failures(seqs: torch.Tensor, P: torch.Tensor) -> list[str]:
         counts = np.bincount(s[:, t] * vocab + s[:, t + 1], minlength=vocab * vocab)
         tv = 0.5 * np.abs(counts / n - probs).sum()
         impossible = int(counts[probs == 0].sum())
-        pval = _chi_square_p(counts[probs > 0], probs[probs > 0])
+        pval = chi_square_p(counts[probs > 0], probs[probs > 0])
         if tv >= limit or pval <= alpha or impossible:
             failures.append(
                 f"pair ({t},{t + 1}): TV={tv:.4f} (limit {limit:.4f}), chi2 p={pval:.2e} "

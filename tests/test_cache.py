@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from verispec.cache import KVCache
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors.torch import save_file
 
-from conftest import make_tokenizer, tiny_model
 from verispec.drafters import ModelDrafter, build_drafter
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model import load_config, load_model, save_model

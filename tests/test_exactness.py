@@ -8,13 +8,12 @@ exact joint of the first generated tokens computed from the target's logits, wit
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
+from _drafters import CorruptedOracle
+from _markov import chi_square_p, tv_limit
 from conftest import tiny_model
-from scipy import stats
 
 from verispec.cache import KVCache
 from verispec.config import SamplingParams, SpecConfig
@@ -24,41 +23,6 @@ from verispec.sampling import probs_for
 
 # ------------------------------------------------------------------------------------------------------------
 # Test drafters
-
-
-class CorruptedOracle(Drafter):
-    """Proposes the target's true greedy continuation (computed beforehand by plain greedy decoding), with the
-    draft position `pattern[r % len(pattern)]` (0-based; None = no corruption) of drafted round r changed to
-    another token. Greedy verification then accepts exactly min(position, budget) tokens in that round, so the
-    whole run's rounds and statistics are known in advance. Records (draft, num_accepted, committed) per
-    round."""
-
-    name = "corrupted-oracle"
-
-    def __init__(self, prompt_len: int, oracle: list[int], vocab_size: int, pattern=(None,)) -> None:
-        self.prompt_len, self.oracle, self.vocab = prompt_len, list(oracle), vocab_size
-        self.pattern = list(pattern)
-        self.num_proposals = 0
-        self._pending: list[int] | None = None
-        self.rounds: list[tuple[list[int], int, list[int]]] = []
-
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        out = []
-        for r in requests:
-            pos = len(r.tokens) - self.prompt_len
-            toks = self.oracle[pos : pos + r.budget]
-            assert len(toks) == r.budget, "oracle too short for the budget"
-            bad = self.pattern[self.num_proposals % len(self.pattern)]
-            if bad is not None and bad < len(toks):
-                toks[bad] = (toks[bad] + 1) % self.vocab
-            self.num_proposals += 1
-            self._pending = toks
-            out.append(Draft(tokens=toks))
-        return out
-
-    def accept(self, result: Verified) -> None:
-        self.rounds.append((self._pending or [], result.num_accepted, list(result.committed)))
-        self._pending = None
 
 
 class AlwaysToken(Drafter):
@@ -410,25 +374,6 @@ S_N = 2500  # runs per drafter (~2.5 ms each on one CPU thread): TV limit 2 sqrt
 S_PARAMS = SamplingParams(max_tokens=3, temperature=1.0)
 S_K = 2
 ALPHA = 1e-3
-
-
-def tv_limit(cells: int, n: int) -> float:
-    """reliability.md §3.6: pass iff TV(empirical, exact) < 2 sqrt(C / (2 pi N))."""
-    return 2.0 * math.sqrt(cells / (2.0 * math.pi * n))
-
-
-def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness-of-fit p-value; cells expected below 5 counts are pooled into one bin."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    if (~big).any():
-        obs.append(counts[~big].sum())
-        exp.append(expected[~big].sum())
-    obs_a, exp_a = np.asarray(obs, float), np.asarray(exp, float)
-    exp_a *= obs_a.sum() / exp_a.sum()
-    return float(stats.chisquare(obs_a, exp_a).pvalue)
 
 
 def check_pair(samples: np.ndarray, joint: np.ndarray) -> tuple[float, float, int]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import tiny_model
+
 from verispec.cache import KVCache
 from verispec.config import SamplingParams
 from verispec.decode import decode

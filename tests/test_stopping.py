@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _drafters import CorruptedOracle
 from conftest import tiny_model
 
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode, decode_stream
-from verispec.drafters import Draft, Drafter, DraftRequest, ModelDrafter, NgramDrafter, Verified
+from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.errors import ConfigError
 from verispec.model.tokenizer import IncrementalDetokenizer
 from verispec.stopping import StopChecker
@@ -393,34 +394,6 @@ def test_prompt_at_model_limit_raises(tokenizer):
 # A9: metrics recomputed from the emitted tokens
 
 
-class RecordingOracle(Drafter):
-    """Proposes the target's true greedy continuation with draft position `pattern[r % len]` of drafted round
-    r changed (None = untouched); records (draft, committed-after-stop-trimming) per round."""
-
-    def __init__(self, prompt_len: int, oracle: list[int], vocab: int, pattern) -> None:
-        self.prompt_len, self.oracle, self.vocab, self.pattern = prompt_len, oracle, vocab, list(pattern)
-        self.n = 0
-        self._pending: list[int] = []
-        self.rounds: list[tuple[list[int], list[int]]] = []
-
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        out = []
-        for r in requests:
-            pos = len(r.tokens) - self.prompt_len
-            toks = self.oracle[pos : pos + r.budget]
-            bad = self.pattern[self.n % len(self.pattern)]
-            if bad is not None and bad < len(toks):
-                toks[bad] = (toks[bad] + 1) % self.vocab
-            self.n += 1
-            self._pending = toks
-            out.append(Draft(tokens=toks))
-        return out
-
-    def accept(self, result: Verified) -> None:
-        self.rounds.append((self._pending, list(result.committed)))
-        self._pending = []
-
-
 def recomputed_stats(rounds) -> dict:
     """Accepted-and-emitted draft tokens per round = leading draft tokens equal to the emitted ones (a greedy
     recovered token always differs from the draft token it replaces)."""
@@ -486,11 +459,11 @@ def test_metrics_match_emitted_tokens(end, target, prompt, tokenizer, plain):
         params = SamplingParams(max_tokens=22, ignore_eos=True)
         i = 21
     assert i >= 5, "pick a stop past the first round"
-    drafter = RecordingOracle(len(prompt), seq, tokenizer.vocab_size, pattern)
+    drafter = CorruptedOracle(len(prompt), seq, tokenizer.vocab_size, pattern)
     res = decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=k), tokenizer=tokenizer, **kw)
     assert res.token_ids == seq[: i + 1]
     assert res.finish_reason == ("length" if end == "length" else "stop")
-    expected, matched = recomputed_stats(drafter.rounds)
+    expected, matched = recomputed_stats([(d, c) for d, _, c in drafter.rounds])
     s = res.stats
     got = {
         "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
@@ -498,10 +471,10 @@ def test_metrics_match_emitted_tokens(end, target, prompt, tokenizer, plain):
         "num_output_tokens": s.num_output_tokens,
     }
     assert got == expected
-    assert sum(len(c) for _, c in drafter.rounds) == len(res.token_ids) == s.num_output_tokens
+    assert sum(len(c) for _, _, c in drafter.rounds) == len(res.token_ids) == s.num_output_tokens
     assert s.tau == 1.0 + expected["num_accepted_tokens"] / expected["num_drafts"]
     assert s.num_rounds == len(drafter.rounds)
-    last_draft, last_committed = drafter.rounds[-1]
+    last_draft, _, last_committed = drafter.rounds[-1]
     if end in ("eos-recovered", "eos-bonus"):
         assert matched[-1] == len(last_committed) - 1  # the EOS itself was not an accepted draft token
     if end in ("eos-accepted", "stop-string"):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _markov import markov_logits, pairwise_failures, processed, simulate, tv_limit
+
 from verispec.verify import VerifyOutput, rejection_verify, sample_match_verify
 
 VOCAB = 8
