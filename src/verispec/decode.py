@@ -146,7 +146,9 @@ def decode_stream(
             drafter.finish(seq_id)
 
 
-def decode(target: Transformer, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> GenerationResult:
+def decode(
+    target: Transformer, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs
+) -> GenerationResult:
     """Run `decode_stream` to the end and return its result."""
     for event in decode_stream(target, prompt_ids, params, **kwargs):
         if event.result is not None:

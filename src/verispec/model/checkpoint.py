@@ -73,6 +73,10 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _more(names: list[str]) -> str:
+    return f" (+{len(names) - 1} more)" if len(names) > 1 else ""
+
+
 def load_model(
     path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
 ) -> Transformer:
@@ -87,13 +91,12 @@ def load_model(
         state.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"{path}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(f"{path}: missing tensor {missing[0]}" + _more(missing))
     # Rotary tables are derived, never weights; anything else unexpected means config and weights disagree.
     unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise CheckpointError(
-            f"{path}: unexpected tensor {unexpected[0]}" + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-            + "; does config.json match the weights?"
+            f"{path}: unexpected tensor {unexpected[0]}{_more(unexpected)}; does config.json match the weights?"
         )
     for name, ref in expected.items():
         if tuple(state[name].shape) != tuple(ref.shape):

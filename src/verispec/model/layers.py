@@ -94,7 +94,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
@@ -129,7 +130,8 @@ class Attention(nn.Module):
             )
         v = qkv[:, :, nq + nkv :]
         if self.q_norm is not None:
-            q, k = apply_rope(self.q_norm(qkv[:, :, :nq]), cos, sin), apply_rope(self.k_norm(qkv[:, :, nq : nq + nkv]), cos, sin)
+            q = apply_rope(self.q_norm(qkv[:, :, :nq]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, :, nq : nq + nkv]), cos, sin)
         else:
             qk = apply_rope(qkv[:, :, : nq + nkv], cos, sin)  # one RoPE for queries and keys together
             q, k = qk[:, :, :nq], qk[:, :, nq:]
