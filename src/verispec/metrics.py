@@ -42,6 +42,13 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        if self.num_output_tokens < 2:
+            return 0.0
+        return (self.elapsed_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
@@ -57,5 +64,6 @@ class SpecStats:
             "num_rounds": self.num_rounds,
             "num_output_tokens": self.num_output_tokens,
             "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
             "elapsed_s": self.elapsed_s,
         }
