@@ -103,11 +103,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return core.main(args.out, args.repeats, args.new_tokens, args.threads, args.cache_dir)
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from verispec.train.target import TrainConfig
+
+    p = sub.add_parser("train", help="train the zoo's models on the offline corpus")
+    what = p.add_subparsers(dest="what", required=True)
+    t = what.add_parser("target", help="pre-train the target model (resumes from --out/state)")
+    t.add_argument("--data-dir", type=Path, default=Path("data"), help="corpus, tokenizer and token files")
+    t.add_argument("--doc-dir", type=Path, default=None, help="Python reST doc sources (default: fetch the .deb)")
+    t.add_argument("--out", type=Path, default=Path("data/runs/target"))
+    t.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
+    t.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
+    t.add_argument("--lr", type=float, default=TrainConfig.lr)
+    t.add_argument("--threads", type=int, default=None)
+    t.set_defaults(func=cmd_train_target)
+
+
+def cmd_train_target(args: argparse.Namespace) -> int:
+    import torch
+
+    from verispec.train.prepare import prepare_data
+    from verispec.train.target import TrainConfig, train_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prepare_data(args.data_dir, args.doc_dir)
+    cfg = TrainConfig(max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
+    final = train_target(args.data_dir / "tokens", args.out, cfg)
+    print(f"saved {final}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="verb", required=True)
     _add_generate(sub)
     _add_bench(sub)
+    _add_train(sub)
     return parser
 
 
