@@ -20,7 +20,7 @@ from verispec.errors import ConfigError
 from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
-from verispec.sampling import make_generator, probs_for
+from verispec.sampling import make_generator, probs_for, sample
 from verispec.stopping import StopChecker
 from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
 
@@ -64,10 +64,21 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_limit: int) 
         raise ConfigError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
 
 
+def _check_draft(draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
+    if len(draft.tokens) > budget or any(not 0 <= t < vocab_size for t in draft.tokens):
+        raise ValueError(
+            f"drafter {type(drafter).__name__} proposed {draft.tokens} for a budget of {budget} tokens "
+            f"in a vocabulary of {vocab_size}"
+        )
+
+
 def _verify(
     logits: torch.Tensor, draft_tokens: list[int], draft_probs, params: SamplingParams, spec: SpecConfig, generator
 ) -> VerifyOutput:
     # logits [k+1, V] for the anchor and each draft token
+    if not draft_tokens:  # plain step: the same draw the verifiers make for k = 0, without their bookkeeping
+        token = logits[0].argmax() if params.greedy else sample(probs_for(logits[0], params), generator)
+        return VerifyOutput(token.view(1, 1), torch.zeros(1, dtype=torch.long))
     tokens = torch.tensor(draft_tokens, dtype=torch.long, device=logits.device)
     num_draft = torch.tensor([len(draft_tokens)], device=logits.device)
     if params.greedy:
@@ -115,6 +126,7 @@ def decode_stream(
             draft = EMPTY_DRAFT
             if drafter is not None and budget > 0:
                 draft = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
+                _check_draft(draft, budget, target.config.vocab_size, drafter)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
             logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
             out = _verify(logits[0], draft.tokens, draft.probs, params, spec, generator)
