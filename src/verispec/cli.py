@@ -116,6 +116,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
+    t.add_argument("--zoo-dir", type=Path, default=Path("zoo/target"), help="where the finished model ships")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train_target)
 
@@ -123,6 +124,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def cmd_train_target(args: argparse.Namespace) -> int:
     import torch
 
+    from verispec.train.card import finalize
     from verispec.train.prepare import prepare_data
     from verispec.train.target import TrainConfig, train_target
 
@@ -130,8 +132,9 @@ def cmd_train_target(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     prepare_data(args.data_dir, args.doc_dir)
     cfg = TrainConfig(max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
-    final = train_target(args.data_dir / "tokens", args.out, cfg)
-    print(f"saved {final}")
+    train_target(args.data_dir / "tokens", args.out, cfg)
+    summary = finalize(args.out, args.data_dir, args.zoo_dir, name="target", role="target model")
+    print(f"saved {args.zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
     return 0
 
 

@@ -1,0 +1,116 @@
+"""Finishing a trained model for the zoo: held-out perplexity per part, a loss-curve PNG and a model card,
+next to the bf16 weights and the tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verispec.model import load_model
+from verispec.model.tokenizer import Tokenizer
+from verispec.train.corpus import LICENCE, read_split
+from verispec.train.target import lm_loss
+
+
+@torch.no_grad()
+def part_perplexity(model_dir: Path, corpus: Path, tokenizer: Tokenizer, split: str = "bench",
+                    seq_len: int = 1024, max_windows: int = 24) -> dict[str, float]:
+    """exp(mean next-token loss) on windows of each part (code, prose) of a held-out split."""
+    model = load_model(model_dir, dtype="fp32")
+    streams: dict[str, list[int]] = {"code": [], "prose": []}
+    for doc in read_split(corpus, split):
+        stream = streams[doc.part]
+        if len(stream) < max_windows * (seq_len + 1):
+            stream.extend([tokenizer.bos_token_id, *tokenizer.encode(doc.text), tokenizer.eos_token_ids[0]])
+    out = {}
+    for part, stream in streams.items():
+        n = min(max_windows, (len(stream) - 1) // seq_len)
+        rows = torch.tensor(np.asarray(stream[: n * seq_len + 1]))
+        losses = []
+        for i in range(n):
+            window = rows[i * seq_len : (i + 1) * seq_len + 1][None]
+            losses.append(lm_loss(model, window[:, :-1], window[:, 1:]).item())
+        out[part] = math.exp(sum(losses) / len(losses))
+    return out
+
+
+def plot_losses(log: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tokens = [e["tokens"] / 1e6 for e in log]
+    ax.plot(tokens, [e["train_loss"] for e in log], lw=0.8, alpha=0.6, label="train")
+    val = [(e["tokens"] / 1e6, e["val_loss"]) for e in log if "val_loss" in e]
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str) -> dict:
+    """Copy run_dir/model (bf16) and the tokenizer into zoo_dir, with loss.png and a README model card."""
+    zoo_dir.mkdir(parents=True, exist_ok=True)
+    for f in (run_dir / "model").iterdir():
+        shutil.copy2(f, zoo_dir / f.name)
+    for f in (data_dir / "tokenizer").iterdir():
+        shutil.copy2(f, zoo_dir / f.name)
+    meta = json.loads((run_dir / "state" / "meta.json").read_text())
+    log, cfg = meta["log"], meta["config"]
+    plot_losses(log, zoo_dir / "loss.png", f"verispec {name}: training and validation loss")
+    tokenizer = Tokenizer.from_dir(zoo_dir)
+    ppl = part_perplexity(zoo_dir, data_dir / "corpus", tokenizer)
+    model = load_model(zoo_dir)
+    params = sum(p.numel() for p in model.parameters())
+    corpus_manifest = json.loads((data_dir / "corpus" / "manifest.json").read_text())
+    val = [e for e in log if "val_loss" in e]
+    summary = {
+        "name": name, "role": role, "parameters": params, "steps": meta["step"],
+        "training_tokens": log[-1]["tokens"], "training_hours": meta["elapsed_s"] / 3600,
+        "final_train_loss": sum(e["train_loss"] for e in log[-20:]) / min(20, len(log)),
+        "final_val_loss": val[-1]["val_loss"] if val else None, "heldout_perplexity": ppl,
+        "config": cfg,
+    }
+    (zoo_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    c = model.config
+    card = f"""# verispec {name}
+
+The {role} of verispec's model zoo: a {params / 1e6:.1f}M-parameter Llama-style decoder (d={c.hidden_size},
+{c.num_hidden_layers} layers, {c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, SwiGLU
+{c.intermediate_size}, RoPE θ={c.rope_theta:g}, tied embeddings, {c.max_position_embeddings}-token context),
+trained from scratch on CPU. Weights in bf16 safetensors, Hugging Face layout (`LlamaForCausalLM`).
+
+## Data
+{corpus_manifest['sources']['code']['what']} and {corpus_manifest['sources']['prose']['what']}
+({corpus_manifest['sources']['prose']['from']}); licence {LICENCE}. Split by file:
+{corpus_manifest['split']}. Tokenizer: byte-level BPE, {tokenizer.vocab_size} tokens, special tokens
+`<|bos|>` `<|eos|>` `<|pad|>` `<|mask|>` (ids 0-3), trained on the train split.
+
+## Training
+Next-token cross-entropy, AdamW (β 0.9/0.95, weight decay {cfg['weight_decay']}), peak lr {cfg['lr']} with
+{cfg['warmup_steps']} warmup steps and cosine decay to {cfg['min_lr_ratio']}×, {cfg['batch_size']}×{cfg['seq_len']}
+tokens per step, bf16 autocast, {meta['step']} steps = {log[-1]['tokens'] / 1e6:.1f}M tokens in
+{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `verispec train target`.
+
+## Results
+- final train loss (mean of the last 20 steps): {summary['final_train_loss']:.3f} nats/token
+- final validation loss: {summary['final_val_loss']:.3f} nats/token
+- held-out (bench split) perplexity: code {ppl['code']:.2f}, prose {ppl['prose']:.2f}
+
+![loss curves](loss.png)
+"""
+    (zoo_dir / "README.md").write_text(card)
+    return summary
