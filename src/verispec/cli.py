@@ -87,20 +87,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (side by side, medians over repeats)")
-    p.add_argument("suite", choices=["core"], help="core: plain decoding vs HF generate, ngram, per-forward cost")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--new-tokens", type=int, default=128)
+    from verispec.bench.suite import BenchConfig
+
+    p = sub.add_parser("bench", help="benchmarks: side by side, medians over repeats")
+    p.add_argument("suite", nargs="?", default="tasks", choices=["tasks", "core"],
+                   help="tasks (default): every drafter x k on the task prompt sets, with HF baselines; "
+                        "core: plain decoding vs HF generate on a random 49M model, ngram, per-forward cost")
+    p.add_argument("--quick", action="store_true", help="a few prompts, k=4, 48 tokens: minutes, not half an hour")
+    p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated drafter specs (default: every registered drafter on the zoo)")
+    p.add_argument("--k", default=None, help="comma-separated draft lengths (default 2,4,8; quick: 4)")
+    p.add_argument("--prompts", type=Path, action="append", default=[],
+                   help="extra prompt file (JSONL of {'prompt'} or Spec-Bench question.jsonl), repeatable")
+    p.add_argument("--tasks", default=None, help="comma-separated subset of the shipped task sets")
+    p.add_argument("--prompts-per-task", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--dtype", default=BenchConfig.dtype, choices=["fp32", "bf16"])
+    p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help="where random checkpoints are kept")
+    p.add_argument("--new-tokens", type=int, default=128, help="core suite: tokens per generation")
+    p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help="core suite: random checkpoints")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from verispec.bench import core
+    if args.suite == "core":
+        from verispec.bench import core
 
-    return core.main(args.out, args.repeats, args.new_tokens, args.threads, args.cache_dir)
+        return core.main(args.out, args.repeats or 5, args.new_tokens, args.threads, args.cache_dir)
+    import torch
+
+    from verispec.bench.suite import BenchConfig, run
+    from verispec.zoo import default_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = args.target or default_target()
+    overrides = {
+        "ks": tuple(int(k) for k in args.k.split(",")) if args.k else None,
+        "methods": tuple(args.methods.split(",")) if args.methods else None,
+        "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
+        "prompt_files": tuple(args.prompts) or None,
+        "prompts_per_task": args.prompts_per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "dtype": args.dtype, "baselines": not args.no_baselines,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    cfg = BenchConfig.quick(target, **overrides) if args.quick else BenchConfig(target, **overrides)
+    report = run(cfg, args.out)
+    from verispec.bench.report import summary_markdown
+
+    print(summary_markdown(report))
+    print(f"wrote {args.out}/results.json, summary.md, speedup.png, acceptance.png")
+    return 0
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

@@ -2,6 +2,7 @@
 
 from verispec.drafters import model, ngram  # noqa: F401  (registration)
 from verispec.drafters.base import (
+    BENCH_SPECS,
     DRAFTERS,
     EMPTY_DRAFT,
     Draft,
@@ -15,6 +16,6 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 
 __all__ = [
-    "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "Verified",
+    "BENCH_SPECS", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "Verified",
     "build_drafter", "register_drafter",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -71,13 +72,22 @@ class Drafter:
 
 DrafterFactory = Callable[..., Drafter]
 DRAFTERS: dict[str, DrafterFactory] = {}
+# name -> f(zoo_dir) giving the spec the benchmark runs for this drafter (None: nothing to run, e.g. no weights)
+BENCH_SPECS: dict[str, Callable[[Path], str | None]] = {}
 
 
-def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a factory `f(arg: str | None, *, target, dtype, device) -> Drafter` under `name`."""
+def register_drafter(
+    name: str, bench_spec: Callable[[Path], str | None] | None = None
+) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a factory `f(arg: str | None, *, target, dtype, device) -> Drafter` under `name`.
+
+    `bench_spec` tells `verispec bench` how to run this drafter on the zoo (default: the bare name), so every
+    registered drafter shows up in the benchmark without editing it.
+    """
 
     def deco(factory: DrafterFactory) -> DrafterFactory:
         DRAFTERS[name] = factory
+        BENCH_SPECS[name] = bench_spec or (lambda zoo: name)
         return factory
 
     return deco

@@ -80,7 +80,11 @@ def check_vocab_compatible(target_dir: Path | None, draft_dir: Path, target: Tra
             raise CheckpointError(f"drafter tokenizer in {draft_dir} differs from the target's tokenizer")
 
 
-@register_drafter("model")
+def _bench_spec(zoo: Path) -> str | None:
+    return f"model:{zoo / 'drafter'}" if (zoo / "drafter" / "config.json").is_file() else None
+
+
+@register_drafter("model", bench_spec=_bench_spec)
 def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> ModelDrafter:
     """`model:DIR` loads a checkpoint directory; plain `model` drafts with the target itself (self-draft)."""
     if arg is None:

@@ -1,0 +1,88 @@
+"""The benchmark's Markdown summary and PNG plots, from results.json's content."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def summary_markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"# verispec bench: {Path(cfg['target']).name}, {cfg['dtype']}, {report['threads']} threads, greedy, "
+        f"{cfg['max_tokens']} new tokens, {cfg['repeats']} repeat(s)",
+        "",
+        "Speedup: median over repeats of plain time / method time on the same prompts, interleaved.",
+        "",
+        "| task | method | k | tau | acceptance | tokens/s | plain tokens/s | speedup | equal to plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["records"]:
+        eq = "yes" if r["equal_to_plain"] else (
+            f"{r['num_diverged']}/{r['num_prompts']} diverged ({r['num_diverged_at_near_tie']} at a near-tie)")
+        lines.append(f"| {r['task']} | {r['method']} | {r['k']} | {_fmt(r['tau'])} | {_fmt(r['acceptance_rate'])} | "
+                     f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | **{_fmt(r['speedup_vs_plain'])}x** | {eq} |")
+    best = defaultdict(lambda: (0.0, ""))
+    for r in report["records"]:
+        if r["speedup_vs_plain"] > best[r["task"]][0]:
+            best[r["task"]] = (r["speedup_vs_plain"], f"{r['method']} k={r['k']}")
+    lines += ["", "Best per task: " + ", ".join(f"{t} {_fmt(s)}x ({m})" for t, (s, m) in best.items()), ""]
+    baselines = [b for b in report["baselines"] if "tokens_per_s" in b]
+    if baselines:
+        lines += ["## Baselines (Hugging Face transformers, same weights and dtype)", "",
+                  "| system | task | tokens/s | verispec method | verispec tokens/s | verispec ratio | fp32 tokens equal |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in baselines:
+            lines.append(f"| {b['system']} | {b['task']} | {b['tokens_per_s']:.1f} | {b['verispec_method']} | "
+                         f"{b['verispec_tokens_per_s']:.1f} | **{_fmt(b['verispec_ratio'])}x** | {b['equal_tokens_fp32']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = report["records"]
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    methods = list(dict.fromkeys((r["method"], r["k"]) for r in records))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks) + 2), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, (m, k) in enumerate(methods):
+        ys = [next((r["speedup_vs_plain"] for r in records if r["task"] == t and (r["method"], r["k"]) == (m, k)), 0)
+              for t in tasks]
+        ax.bar([j + i * width for j in range(len(tasks))], ys, width, label=f"{m} k={k}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=15)
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.2), sharey=True, squeeze=False)
+    for ax, t in zip(axes[0], tasks):
+        for r in records:
+            if r["task"] == t and r["accepted_per_pos"]:
+                ax.plot(range(1, len(r["accepted_per_pos"]) + 1), r["accepted_per_pos"], "o-", ms=3,
+                        label=f"{r['method']} k={r['k']}")
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("draft position j")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("P(j accepted | all before)")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    (out / "summary.md").write_text(summary_markdown(report))
+    plot(report, out)

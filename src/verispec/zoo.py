@@ -1,0 +1,26 @@
+"""Where the shipped models live: `zoo/` at the repository root, or $VERISPEC_ZOO."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from verispec.errors import CheckpointError
+
+
+def zoo_dir() -> Path:
+    env = os.environ.get("VERISPEC_ZOO")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "zoo"
+
+
+def default_target() -> Path:
+    path = zoo_dir() / "target"
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"no --target given and the zoo has no target model at {path}")
+    return path
+
+
+def default_drafter_spec() -> str | None:
+    """The zoo's draft model as a drafter spec, if it ships one."""
+    path = zoo_dir() / "drafter"
+    return f"model:{path}" if (path / "config.json").is_file() else None
