@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from verispec.config import SamplingParams
@@ -160,6 +161,39 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--zoo-dir", type=Path, default=Path("zoo/target"), help="where the finished model ships")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train_target)
+
+    from verispec.train.drafter import DRAFT_TRAIN
+
+    d = what.add_parser("drafter", help="distill the draft model from the target's continuations (resumable)")
+    d.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
+    d.add_argument("--data-dir", type=Path, default=Path("data"))
+    d.add_argument("--doc-dir", type=Path, default=None)
+    d.add_argument("--out", type=Path, default=Path("data/runs/drafter"))
+    d.add_argument("--zoo-dir", type=Path, default=Path("zoo/drafter"))
+    d.add_argument("--max-steps", type=int, default=DRAFT_TRAIN.max_steps)
+    d.add_argument("--num-sequences", type=int, default=1536, help="target continuations to distill from")
+    d.add_argument("--threads", type=int, default=None)
+    d.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from verispec.train.card import DRAFTER_METHOD, finalize
+    from verispec.train.drafter import DRAFT_TRAIN, train_drafter
+    from verispec.train.prepare import prepare_data
+    from verispec.zoo import default_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prepare_data(args.data_dir, args.doc_dir)
+    cfg = replace(DRAFT_TRAIN, max_steps=args.max_steps)
+    target = args.target or default_target()
+    train_drafter(target, args.data_dir / "tokens", args.out, cfg, num_sequences=args.num_sequences)
+    summary = finalize(args.out, args.data_dir, args.zoo_dir, name="drafter", role="draft model",
+                       method=DRAFTER_METHOD, recipe="verispec train drafter")
+    print(f"saved {args.zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
+    return 0
 
 
 def cmd_train_target(args: argparse.Namespace) -> int:

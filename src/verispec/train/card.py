@@ -61,7 +61,13 @@ def plot_losses(log: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str) -> dict:
+TARGET_METHOD = "Next-token cross-entropy on the corpus"
+DRAFTER_METHOD = ("Distilled from the target: next-token cross-entropy on the target's own greedy continuations "
+                  "of training-corpus prompts (half of each batch) and on corpus windows (the other half)")
+
+
+def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str, method: str = TARGET_METHOD,
+             recipe: str = "verispec train target") -> dict:
     """Copy run_dir/model (bf16) and the tokenizer into zoo_dir, with loss.png and a README model card."""
     zoo_dir.mkdir(parents=True, exist_ok=True)
     for f in (run_dir / "model").iterdir():
@@ -100,10 +106,10 @@ trained from scratch on CPU. Weights in bf16 safetensors, Hugging Face layout (`
 `<|bos|>` `<|eos|>` `<|pad|>` `<|mask|>` (ids 0-3), trained on the train split.
 
 ## Training
-Next-token cross-entropy, AdamW (β 0.9/0.95, weight decay {cfg['weight_decay']}), peak lr {cfg['lr']} with
+{method}; AdamW (β 0.9/0.95, weight decay {cfg['weight_decay']}), peak lr {cfg['lr']} with
 {cfg['warmup_steps']} warmup steps and cosine decay to {cfg['min_lr_ratio']}×, {cfg['batch_size']}×{cfg['seq_len']}
 tokens per step, bf16 autocast, {meta['step']} steps = {log[-1]['tokens'] / 1e6:.1f}M tokens in
-{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `verispec train target`.
+{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `{recipe}`.
 
 ## Results
 - final train loss (mean of the last 20 steps): {summary['final_train_loss']:.3f} nats/token

@@ -1,11 +1,13 @@
-"""Pre-training the zoo's target model: next-token cross-entropy on the corpus token stream, bf16 autocast
-on CPU, AdamW with warmup and cosine decay, resumable from its last checkpoint."""
+"""Pre-training the zoo's target model, and the language-model training loop the drafter reuses:
+next-token cross-entropy, bf16 autocast on CPU, AdamW with warmup and cosine decay, resumable from its last
+checkpoint."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,7 +69,24 @@ def evaluate(model: Transformer, windows: TokenWindows, max_windows: int, batch_
 
 
 def train_target(data_dir: Path, out_dir: Path, cfg: TrainConfig, progress: bool = True) -> Path:
-    """Train (or resume) into out_dir/state; returns the final HF checkpoint directory out_dir/model."""
+    """Pre-train the target on data_dir/{train,val}.bin."""
+    train = TokenWindows(data_dir / "train.bin", cfg.seq_len, cfg.seed)
+    val = TokenWindows(data_dir / "val.bin", cfg.seq_len)
+    return train_lm(cfg, lambda step: train.batch(step, cfg.batch_size), val, out_dir, "train target", progress)
+
+
+def train_lm(
+    cfg: TrainConfig,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # step -> inputs, targets [B, T]
+    val: TokenWindows,
+    out_dir: Path,
+    desc: str,
+    progress: bool = True,
+) -> Path:
+    """Train (or resume) cfg.model into out_dir/state; returns the final bf16 checkpoint out_dir/model.
+
+    `batches(step)` must be a pure function of the step, so a resumed run continues exactly.
+    """
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
@@ -91,9 +110,7 @@ def train_target(data_dir: Path, out_dir: Path, cfg: TrainConfig, progress: bool
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
             print(f"note: resuming {state_dir} with a changed config (steps {meta['config']['max_steps']} -> "
                   f"{cfg.max_steps})")
-    train = TokenWindows(data_dir / "train.bin", cfg.seq_len, cfg.seed)
-    val = TokenWindows(data_dir / "val.bin", cfg.seq_len)
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="train target", unit="step")
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc=desc, unit="step")
     last_save = time.perf_counter()
     t_start = time.perf_counter() - elapsed
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -106,7 +123,7 @@ def train_target(data_dir: Path, out_dir: Path, cfg: TrainConfig, progress: bool
     while step < cfg.max_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        inputs, targets = train.batch(step, cfg.batch_size)
+        inputs, targets = batches(step)
         loss = lm_loss(model, inputs, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
