@@ -15,8 +15,11 @@ from verispec.errors import VerispecError
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt, speculatively or plainly")
-    p.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face layout)")
-    p.add_argument("--drafter", default=None, help="ngram | ngram:MAX_N | model (self-draft) | model:DIR; none = plain")
+    p.add_argument("--target", type=Path, default=None,
+                   help="target checkpoint directory, Hugging Face layout (default: the zoo's target)")
+    p.add_argument("--drafter", default=None,
+                   help="ngram | ngram:MAX_N | model:DIR | model (self-draft) | none (plain decoding); "
+                        "default: the zoo's draft model, or ngram if the zoo has none")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--verify", default="auto", choices=["auto", "rejection", "sample-match"])
     p.add_argument("--temperature", type=float, default=SamplingParams.temperature)
@@ -51,7 +54,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.target, drafter=args.drafter, k=args.k, verify=args.verify, dtype=args.dtype)
+    from verispec.zoo import default_drafter_spec, default_target
+
+    drafter = args.drafter or default_drafter_spec() or "ngram"
+    llm = LLM(args.target or default_target(), drafter=None if drafter == "none" else drafter, k=args.k,
+              verify=args.verify, dtype=args.dtype)
+    if args.compare and llm.drafter is None:
+        raise VerispecError("--compare needs a drafter (it compares speculative with plain decoding)")
     if args.compare:
         # Warm both paths once so one-off allocation costs fall on neither measurement.
         warm = SamplingParams(max_tokens=2 * args.k + 2, ignore_eos=True)
