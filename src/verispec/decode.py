@@ -110,7 +110,8 @@ def decode_stream(
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
     generator = None if params.greedy else make_generator(params.seed, target.device)
     stats = SpecStats()
-    cache = KVCache.for_model(target, max_len=limit)
+    # Room for the prompt, every output token and one round's draft: no need to zero the whole context.
+    cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1))
     hidden_layers = drafter.needs_hidden_layers if drafter else ()
     device = target.device
     if len(prompt_ids) > 1:
