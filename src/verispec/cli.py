@@ -168,6 +168,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
     t.add_argument("--zoo-dir", type=Path, default=Path("zoo/target"), help="where the finished model ships")
+    t.add_argument("--stop-at", type=int, default=None,
+                   help="checkpoint and exit at this step (rerun the same command to continue)")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train_target)
 
@@ -216,7 +218,9 @@ def cmd_train_target(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     prepare_data(args.data_dir, args.doc_dir)
     cfg = TrainConfig(max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
-    train_target(args.data_dir / "tokens", args.out, cfg)
+    if train_target(args.data_dir / "tokens", args.out, cfg, stop_at=args.stop_at) is None:
+        print(f"checkpointed at step {args.stop_at} in {args.out}/state; rerun to continue")
+        return 0
     summary = finalize(args.out, args.data_dir, args.zoo_dir, name="target", role="target model")
     print(f"saved {args.zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
     return 0

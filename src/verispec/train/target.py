@@ -68,11 +68,14 @@ def evaluate(model: Transformer, windows: TokenWindows, max_windows: int, batch_
     return total / max(count, 1)
 
 
-def train_target(data_dir: Path, out_dir: Path, cfg: TrainConfig, progress: bool = True) -> Path:
+def train_target(
+    data_dir: Path, out_dir: Path, cfg: TrainConfig, progress: bool = True, stop_at: int | None = None
+) -> Path | None:
     """Pre-train the target on data_dir/{train,val}.bin."""
     train = TokenWindows(data_dir / "train.bin", cfg.seq_len, cfg.seed)
     val = TokenWindows(data_dir / "val.bin", cfg.seq_len)
-    return train_lm(cfg, lambda step: train.batch(step, cfg.batch_size), val, out_dir, "train target", progress)
+    return train_lm(cfg, lambda step: train.batch(step, cfg.batch_size), val, out_dir, "train target", progress,
+                    stop_at)
 
 
 def train_lm(
@@ -82,10 +85,12 @@ def train_lm(
     out_dir: Path,
     desc: str,
     progress: bool = True,
-) -> Path:
+    stop_at: int | None = None,
+) -> Path | None:
     """Train (or resume) cfg.model into out_dir/state; returns the final bf16 checkpoint out_dir/model.
 
-    `batches(step)` must be a pure function of the step, so a resumed run continues exactly.
+    `batches(step)` must be a pure function of the step, so a resumed run continues exactly. With `stop_at`,
+    checkpoint at that step and return None (a later call resumes): for runs longer than one sitting.
     """
     from tqdm import tqdm
 
@@ -121,6 +126,10 @@ def train_lm(
         save_state(state_dir, model, opt, meta)
 
     while step < cfg.max_steps:
+        if stop_at is not None and step >= stop_at:
+            checkpoint()
+            bar.close()
+            return None
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         inputs, targets = batches(step)
