@@ -32,6 +32,7 @@ def summary_markdown(report: dict) -> str:
             best[r["task"]] = (r["speedup_vs_plain"], f"{r['method']} k={r['k']}")
     lines += ["", "Best per task: " + ", ".join(f"{t} {_fmt(s)}x ({m})" for t, (s, m) in best.items()), ""]
     baselines = [b for b in report["baselines"] if "tokens_per_s" in b]
+    lines += goals_markdown(report["records"], baselines)
     if baselines:
         lines += ["## Baselines (Hugging Face transformers, same weights and dtype)", "",
                   "| system | task | tokens/s | verispec method | verispec tokens/s | verispec ratio | fp32 tokens equal |",
@@ -41,6 +42,34 @@ def summary_markdown(report: dict) -> str:
                          f"{b['verispec_tokens_per_s']:.1f} | **{_fmt(b['verispec_ratio'])}x** | {b['equal_tokens_fp32']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _geomean(xs: list[float]) -> float:
+    import math
+
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def goals_markdown(records: list[dict], baselines: list[dict]) -> list[str]:
+    """The zoo issue's three goals, as measured (geometric means over tasks)."""
+    lines = ["## Goals (as measured)", ""]
+    gen = [b["verispec_ratio"] for b in baselines if b["system"] == "hf_generate"]
+    if gen:
+        g = _geomean(gen)
+        lines.append(f"- verispec plain decoding vs HF `generate`: {_fmt(g)}x (goal >= 1.5x: {'met' if g >= 1.5 else 'not met'})")
+    code = [r for r in records if r["task"].startswith("code")]
+    if code:
+        per_task = defaultdict(float)
+        for r in code:
+            per_task[r["task"]] = max(per_task[r["task"]], r["speedup_vs_plain"])
+        worst = min(per_task.values())
+        lines.append("- best drafter vs plain on the code tasks: " + ", ".join(
+            f"{t} {_fmt(v)}x" for t, v in per_task.items()) + f" (goal >= 2.0x on each: {'met' if worst >= 2 else 'not met'})")
+    assisted = [b for b in baselines if b["system"].startswith("hf_assisted")]
+    for system in dict.fromkeys(b["system"] for b in assisted):
+        g = _geomean([b["verispec_ratio"] for b in assisted if b["system"] == system])
+        lines.append(f"- verispec `model` drafter vs HF {system}: {_fmt(g)}x (goal >= 2x: {'met' if g >= 2 else 'not met'})")
+    return lines + [""]
 
 
 def plot(report: dict, out: Path) -> None:
