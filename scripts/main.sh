@@ -13,9 +13,9 @@ args=("$@")
 if [[ " $* " != *" --target "* && ! -f "$root/zoo/target/config.json" ]]; then
   target="$root/.cache/random-50m"
   "$py" -m verispec.bench.checkpoints "$target"
-  args=(--target "$target" --drafter ngram "${args[@]}")
+  args=(--target "$target" "${args[@]}")
 fi
 if [[ " $* " != *" --prompt"* ]]; then
   args+=(--prompt-file "$root/scripts/demo_prompt.py")
 fi
-exec "$py" -m verispec generate --k 8 --max-tokens 128 --compare "${args[@]}"
+exec "$py" -m verispec generate --drafter ngram --k 8 --max-tokens 128 --compare "${args[@]}"
