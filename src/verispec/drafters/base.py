@@ -7,6 +7,7 @@ can sync its own state. The decode loop and the engine never branch on the kind 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,7 @@ class Verified:
     target_hidden: dict[int, torch.Tensor]  # {layer: [k+1, d]} for the verified positions, if requested
 
 
-class Drafter:
+class Drafter(ABC):
     """Base class with no-op lifecycle hooks; subclasses implement `propose`."""
 
     name: ClassVar[str] = ""
@@ -60,8 +61,9 @@ class Drafter:
     def start(self, seq_id: int, prompt: list[int]) -> None:
         """A sequence begins (its prompt is `prompt`)."""
 
+    @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        raise NotImplementedError
+        """One draft per request, each at most its budget long."""
 
     def accept(self, result: Verified) -> None:
         """Verification of this sequence's last draft is done; roll back anything past the committed prefix."""
