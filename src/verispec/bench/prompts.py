@@ -122,8 +122,11 @@ def build_prompt_sets(corpus: Path, out_dir: Path = PROMPT_DIR, per_task: int = 
                 continue
             found = builder(doc, rng)
             rng.shuffle(found)
-            clean = [r for r in found if r.pop("_body", r["prompt"]) not in train_text
-                     and r["reference"] not in train_text]
+            clean = []
+            for r in found:
+                body = r.pop("_body", r["prompt"])  # editing prompts wrap their source; check the source itself
+                if body not in train_text and r["reference"] not in train_text:
+                    clean.append(r)
             pool += [dict(r, source={"part": doc.part, "path": doc.path}) for r in clean[:per_file]]
         rng.shuffle(pool)
         chosen = pool[:per_task]
