@@ -171,6 +171,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--stop-at", type=int, default=None,
                    help="checkpoint and exit at this step (rerun the same command to continue)")
     t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--init-from", type=Path, default=None,
+                   help="warm start from this checkpoint (a second stage; fresh optimizer and schedule)")
+    t.add_argument("--data-offset", type=int, default=0,
+                   help="skip this many steps' batches of the data order (the steps an earlier stage used)")
+    t.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     t.set_defaults(func=cmd_train_target)
 
     from verispec.train.drafter import DRAFT_TRAIN
@@ -217,7 +222,9 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prepare_data(args.data_dir, args.doc_dir)
-    cfg = TrainConfig(max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
+    cfg = TrainConfig(max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup_steps=args.warmup_steps, data_offset=args.data_offset,
+                      init_from=str(args.init_from) if args.init_from else None)
     if train_target(args.data_dir / "tokens", args.out, cfg, stop_at=args.stop_at) is None:
         print(f"checkpointed at step {args.stop_at} in {args.out}/state; rerun to continue")
         return 0

@@ -41,6 +41,10 @@ class TrainConfig:
     eval_windows: int = 32
     checkpoint_every_s: float = 300.0
     seed: int = 0
+    # Warm start: begin from these weights (fresh optimizer and schedule) and skip the first data_offset steps'
+    # batches, so a second stage continues where an earlier run's data order stopped.
+    init_from: str | None = None
+    data_offset: int = 0
     model: dict = field(default_factory=lambda: dict(TARGET_MODEL))
 
 
@@ -74,7 +78,7 @@ def train_target(
     """Pre-train the target on data_dir/{train,val}.bin."""
     train = TokenWindows(data_dir / "train.bin", cfg.seq_len, cfg.seed)
     val = TokenWindows(data_dir / "val.bin", cfg.seq_len)
-    return train_lm(cfg, lambda step: train.batch(step, cfg.batch_size), val, out_dir, "train target", progress,
+    return train_lm(cfg, lambda step: train.batch(step + cfg.data_offset, cfg.batch_size), val, out_dir, "train target", progress,
                     stop_at)
 
 
@@ -99,6 +103,10 @@ def train_lm(
     for name, p in model.named_parameters():
         if not name.endswith("norm.weight"):
             torch.nn.init.normal_(p, std=0.02)
+    if cfg.init_from:
+        from verispec.model import load_model
+
+        model.load_state_dict(load_model(Path(cfg.init_from), dtype="fp32").state_dict())
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -140,7 +148,8 @@ def train_lm(
         opt.step()
         step += 1
         now = time.perf_counter() - t_start
-        entry = {"step": step, "train_loss": loss.item(), "elapsed_s": now, "tokens": step * tokens_per_step}
+        entry = {"step": step, "train_loss": loss.item(), "elapsed_s": now,
+                 "tokens": (step + cfg.data_offset) * tokens_per_step}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             entry["val_loss"] = evaluate(model, val, cfg.eval_windows)
         log.append(entry)
