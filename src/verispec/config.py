@@ -193,3 +193,56 @@ class SpecConfig:
             raise ConfigError(f"k must be >= 0, got {self.k}")
         if self.verify not in VERIFY_RULES:
             raise ConfigError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
+
+
+POLICIES = ("off", "fixed", "batch-table", "dspark")
+# k by number of running requests (first row whose bound covers the count), as vLLM and TensorRT-LLM schedule it.
+DEFAULT_BATCH_TABLE = ((1, 8), (2, 6), (4, 4), (8, 3), (16, 2), (1 << 30, 1))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The serving engine: batching, admission control and the verification policy."""
+
+    max_running: int = 32  # requests decoded together
+    max_queued: int = 256  # waiting requests beyond which new ones are refused (QueueFull)
+    cache_budget_tokens: int = 1 << 17  # KV positions reserved over all running requests
+    prefill_chunk: int = 512  # prompt tokens prefilled per step, all requests together
+    policy: str = "fixed"
+    k: int = 4  # the draft length for `fixed`; the most any policy verifies per request
+    batch_table: tuple[tuple[int, int], ...] = DEFAULT_BATCH_TABLE
+    drafter: str | None = "ngram"  # the default drafter spec; None: no drafting unless a request names one
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_running", "max_queued", "cache_budget_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k < 0:
+            raise ConfigError(f"k must be >= 0, got {self.k}")
+        object.__setattr__(self, "batch_table", tuple(sorted((int(n), int(k)) for n, k in self.batch_table)))
+
+    def table_k(self, num_running: int) -> int:
+        for bound, k in self.batch_table:
+            if num_running <= bound:
+                return k
+        return self.batch_table[-1][1] if self.batch_table else 0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """Per-request speculation: None fields take the engine's setting. drafter "none" turns drafting off."""
+
+    drafter: str | None = None
+    policy: str | None = None
+    k: int | None = None
+    verify: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.k is not None and self.k < 0:
+            raise ConfigError(f"k must be >= 0, got {self.k}")
+        if self.verify not in VERIFY_RULES:
+            raise ConfigError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")

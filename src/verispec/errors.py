@@ -11,3 +11,7 @@ class CheckpointError(VerispecError):
 
 class ConfigError(VerispecError):
     """An invalid option or an unsupported model configuration."""
+
+
+class QueueFull(VerispecError):
+    """The engine's waiting queue is full: retry later."""

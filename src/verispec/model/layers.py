@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.cache.packed import PackedBatch
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 
@@ -117,9 +118,22 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, d]
         cos: torch.Tensor,  # [B, T, 1, D]
         sin: torch.Tensor,
-        cache,  # KVCache | None
+        cache,  # KVCache | PackedBatch | None
         mask: torch.Tensor | None,  # [T, S] bool (True = attend) or None for "causal from position 0"
     ) -> torch.Tensor:  # [B, T, d]
+        bsz, seqlen, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)  # [B, H, T, D]
+        if isinstance(cache, PackedBatch):  # B == 1: each segment attends to its own cache
+            out = torch.cat([
+                self._attend(q[:, :, s.start : s.start + s.length], k[:, :, s.start : s.start + s.length],
+                             v[:, :, s.start : s.start + s.length], s.cache, m)
+                for s, m in zip(cache.segments, cache.masks)
+            ], dim=2)
+        else:
+            out = self._attend(q, k, v, cache, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def _qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bsz, seqlen, _ = x.shape
         nq, nkv = self.num_heads, self.num_kv_heads
         if self.qkv_weight is not None:
@@ -135,15 +149,15 @@ class Attention(nn.Module):
         else:
             qk = apply_rope(qkv[:, :, : nq + nkv], cos, sin)  # one RoPE for queries and keys together
             q, k = qk[:, :, :nq], qk[:, :, nq:]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q, k, v, cache, mask) -> torch.Tensor:  # q [B, H, T, D] -> [B, H, T, D]
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, Hkv, S, D] with S = cached + T
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=seqlen > 1, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from verispec.cache import KVCache
+from verispec.cache import KVCache, PackedBatch, causal_mask
 from verispec.config import ModelConfig
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -91,11 +91,7 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + seqlen, device=tokens.device).expand(bsz, seqlen)
         x = self.model.embed_tokens(tokens)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        mask = None
-        if start > 0 and seqlen > 1:
-            # New token i sits at cache index start + i and may see every index up to that one.
-            rows = torch.arange(seqlen, device=tokens.device)[:, None] + start
-            mask = torch.arange(start + seqlen, device=tokens.device)[None, :] <= rows
+        mask = causal_mask(start, seqlen, tokens.device)
         wanted = set(hidden_layers)
         hidden = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.model.layers, start=1):
@@ -109,3 +105,28 @@ class Transformer(nn.Module):
             return x.new_zeros(bsz, 0, self.config.vocab_size), hidden
         logits = self.lm_head(self.model.norm(x[:, seqlen - n :]))
         return logits, hidden
+
+    def forward_packed(
+        self,
+        tokens: torch.Tensor,  # [N] every request's new tokens, back to back
+        batch: PackedBatch,
+        logit_rows: torch.Tensor,  # [M] packed rows that need logits
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: hidden [N, d]}
+        """One forward over a ragged batch, each segment after its own cache's committed entries (see PackedBatch).
+        Commits every segment's new tokens to its cache."""
+        few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
+        with _onednn(enabled=not few_rows):
+            positions = batch.positions(tokens.device)[None]  # [1, N]
+            x = self.model.embed_tokens(tokens[None])
+            cos, sin = self.model.rotary_emb(positions, x.dtype)
+            wanted = set(hidden_layers)
+            hidden = {0: x[0]} if 0 in wanted else {}
+            for i, layer in enumerate(self.model.layers, start=1):
+                x = layer(x, cos, sin, batch, None)
+                if i in wanted:
+                    hidden[i] = x[0]
+            batch.advance()
+            if logit_rows.numel() == 0:
+                return x.new_zeros(0, self.config.vocab_size), hidden
+            return self.lm_head(self.model.norm(x[0, logit_rows])), hidden

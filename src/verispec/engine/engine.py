@@ -1,0 +1,404 @@
+"""The serving engine: continuous batching, one target forward per step over every running request.
+
+A step: admit waiting requests while the cache budget allows -> draft for every decoding request (one
+`propose` call per drafter) -> the policy picks how many draft tokens of each request to verify -> one packed
+forward over every request's pending tokens (prefill chunks, anchors, drafts) -> verify -> commit (caches,
+drafters, stop checks) -> emit. Per request this is the reference loop (`decode.py`) with the same draws in the
+same order, so its output equals `decode`'s whatever else is in the batch.
+
+`add_request` and `abort` may be called from any thread; `step` runs on one thread only (the forwards switch a
+process-wide oneDNN flag).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.cache import KVCache, PackedBatch
+from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
+from verispec.decode import GenerationResult, _check_draft, _verify, validate_prompt
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter
+from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, survival
+from verispec.engine.profile import StepProfile
+from verispec.engine.request import Request, RequestOutput
+from verispec.errors import ConfigError, QueueFull
+from verispec.model.tokenizer import Tokenizer
+from verispec.model.transformer import Transformer
+from verispec.sampling import make_generator
+from verispec.stopping import StopChecker
+from verispec.verify import greedy_verify
+
+
+@dataclass
+class EngineMetrics:
+    """Counters named as vLLM names them (prefix them with `vllm:` or ours), plus gauges read at scrape time."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    rejected: int = 0  # refused at admission (queue full)
+
+    def record_round(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        self.generation_tokens += num_emitted
+        if num_draft == 0:
+            return
+        counted = min(num_accepted, num_emitted)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += counted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for j in range(counted):
+            self.accepted_per_pos[j] += 1
+
+
+@dataclass
+class _Round:
+    """One decoding request's part of a step."""
+
+    req: Request
+    draft: Draft
+    drafted: bool  # the drafter proposed (so it must hear the verdict)
+    rows: int = 0  # first logit row of this request in the step's logits
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig = EngineConfig(),
+        *,
+        drafters: dict[str, Drafter] | None = None,
+        profile: StepProfile | Callable[[], StepProfile] | None = None,
+        context_limit: int | None = None,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.config = config
+        self.limit = min(context_limit or target.config.context_limit, target.config.context_limit)
+        self.eos = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
+        self._drafters: dict[str, Drafter] = dict(drafters or {})
+        self._profile = profile
+        self.estimator = AcceptanceEstimator(max_k=max(config.k, 16))
+        self.metrics = EngineMetrics()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved_tokens = 0
+        self._inbox: deque[tuple[str, object]] = deque()  # ("add", Request) | ("abort", request_id)
+        self._lock = threading.Lock()
+        self._queued = 0  # requests added but not yet admitted (inbox adds + waiting)
+        self._seq_ids = itertools.count()
+        self._ids = itertools.count()
+        self.on_output: Callable[[RequestOutput], None] | None = None
+
+    # ---- requests in and out (any thread) -------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams = SamplingParams(),
+        spec: RequestSpec = RequestSpec(),
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ConfigError for a request that can never run and QueueFull when the queue is."""
+        validate_prompt(prompt, self.target.config.vocab_size, self.limit)
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer")
+        drafter = self.config.drafter if spec.drafter is None else spec.drafter
+        drafter = None if drafter in (None, "", "none") else drafter
+        policy = spec.policy or self.config.policy
+        k = self.config.k if spec.k is None else spec.k
+        if drafter is None or k == 0:
+            policy, k = "off", 0
+        if drafter is not None:
+            self.drafter(drafter)  # fail now, not inside a step, if the spec is bad
+        reserved = min(self.limit, len(prompt) + params.max_tokens + k + 1)
+        if reserved > self.config.cache_budget_tokens:
+            raise ConfigError(
+                f"the request needs {reserved} KV cache positions (prompt {len(prompt)} + max_tokens "
+                f"{params.max_tokens} + draft {k + 1}); the engine's cache budget is {self.config.cache_budget_tokens}"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(
+            request_id=rid, seq_id=next(self._seq_ids), prompt=list(prompt), params=params, drafter=drafter,
+            policy=policy, k=k, verify=spec.verify, reserved=reserved, arrival=time.perf_counter(),
+            stopper=StopChecker(params, len(prompt), self.limit, self.eos, self.tokenizer, prompt),
+            generator=None if params.greedy else make_generator(params.seed, self.target.device),
+            tokens=list(prompt),
+        )
+        with self._lock:
+            if self._queued >= self.config.max_queued:
+                self.metrics.rejected += 1
+                raise QueueFull(f"the queue is full ({self.config.max_queued} waiting requests); retry later")
+            self._queued += 1
+            self._inbox.append(("add", req))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Abort a waiting or running request (idempotent); its cache is freed at the next step."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queued
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._queued or self._inbox)
+
+    # ---- drafters and profile ------------------------------------------------------------------------------
+    def drafter(self, spec: str) -> Drafter:
+        if spec not in self._drafters:
+            self._drafters[spec] = build_drafter(spec, target=self.target, dtype=self.target.dtype,
+                                                 device=self.target.device)
+        return self._drafters[spec]
+
+    @property
+    def profile(self) -> StepProfile:
+        if not isinstance(self._profile, StepProfile):
+            from verispec.engine.profile import load_or_measure
+
+            self._profile = self._profile() if callable(self._profile) else load_or_measure(self.target)
+        return self._profile
+
+    # ---- the step (one thread) -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._drain_inbox(outputs)
+        self._admit()
+        if not self.running:
+            return outputs
+        with torch.inference_mode():
+            self._run_step(outputs)
+        self.metrics.num_steps += 1
+        if self.on_output is not None:
+            for out in outputs:
+                self.on_output(out)
+        return outputs
+
+    def run_until_done(self) -> dict[str, GenerationResult]:
+        results = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.result is not None:
+                    results[out.request_id] = out.result
+        return results
+
+    def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        for kind, payload in commands:
+            if kind == "add":
+                self.waiting.append(payload)
+            else:
+                self._abort_now(str(payload), outputs)
+
+    def _abort_now(self, request_id: str, outputs: list[RequestOutput]) -> None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                with self._lock:
+                    self._queued -= 1
+                outputs.append(self._finish(req, "abort", None, []))
+                return
+        for req in self.running:
+            if req.request_id == request_id:
+                outputs.append(self._finish(req, "abort", None, []))
+                return
+
+    def _admit(self) -> None:
+        # First come, first served: the head waits until it fits, so large requests do not starve.
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            if self.reserved_tokens + req.reserved > self.config.cache_budget_tokens:
+                return
+            self.waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            req.cache = KVCache.for_model(self.target, max_len=req.reserved)
+            self.reserved_tokens += req.reserved
+            req.started = time.perf_counter()
+            self.metrics.prompt_tokens += len(req.prompt)
+            if req.drafter is not None:
+                self.drafter(req.drafter).start(req.seq_id, req.tokens)
+            self.running.append(req)
+
+    def _finish(
+        self, req: Request, reason: str, stop_reason: str | int | None, token_ids: list[int], text: str = ""
+    ) -> RequestOutput:
+        if req in self.running:
+            self.running.remove(req)
+            self.reserved_tokens -= req.reserved
+            if req.drafter is not None:
+                self.drafter(req.drafter).finish(req.seq_id)
+        req.cache = None  # give the memory back now
+        self.estimator.forget(req.request_id)
+        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+        req.stats.elapsed_s = time.perf_counter() - req.arrival
+        result = GenerationResult(
+            prompt_token_ids=list(req.prompt), token_ids=list(req.stopper.output),
+            text=req.stopper.text if self.tokenizer is not None else None, finish_reason=reason,
+            stop_reason=stop_reason, stats=req.stats,
+        )
+        return RequestOutput(req.request_id, token_ids, text, result)
+
+    def _budget(self, req: Request, num_decoding: int) -> int:
+        """The most draft tokens this request may propose this step (never past max_tokens or the context)."""
+        k = {"off": 0, "fixed": req.k, "dspark": req.k, "batch-table": min(req.k, self.config.table_k(num_decoding))}
+        n = len(req.tokens)
+        return max(0, min(k[req.policy], req.params.max_tokens - len(req.stopper.output) - 1, self.limit - n - 1))
+
+    def _run_step(self, outputs: list[RequestOutput]) -> None:
+        # Who decodes this step: everyone whose uncached prompt fits in what is left of the prefill chunk.
+        chunk_left = self.config.prefill_chunk
+        decoding: list[Request] = []
+        prefill: list[tuple[Request, int]] = []  # (request, prompt tokens to prefill only)
+        for req in self.running:
+            todo = len(req.pending) - 1  # tokens before the anchor
+            if todo <= chunk_left:
+                chunk_left -= todo
+                decoding.append(req)
+            elif chunk_left > 0:
+                prefill.append((req, chunk_left))
+                chunk_left = 0
+        rounds = self._draft(decoding)
+        self._schedule(rounds, prefill_tokens=sum(n for _, n in prefill))
+
+        # One packed forward: [prefill chunks] then per decoding request [pending..., draft...].
+        caches, lengths, tokens, logit_rows = [], [], [], []
+        for req, n in prefill:
+            caches.append(req.cache)
+            lengths.append(n)
+            tokens.extend(req.pending[:n])
+        for rnd in rounds:
+            seg = rnd.req.pending + rnd.draft.tokens
+            caches.append(rnd.req.cache)
+            lengths.append(len(seg))
+            first = len(tokens) + len(seg) - len(rnd.draft.tokens) - 1  # the anchor's row
+            rnd.rows = len(logit_rows)
+            logit_rows.extend(range(first, first + len(rnd.draft.tokens) + 1))
+            tokens.extend(seg)
+        device = self.target.device
+        hidden_layers = sorted({layer for rnd in rounds if rnd.drafted
+                                for layer in self.drafter(rnd.req.drafter).needs_hidden_layers})
+        batch = PackedBatch.build(caches, lengths, device)
+        logits, hidden = self.target.forward_packed(
+            torch.tensor(tokens, device=device), batch, torch.tensor(logit_rows, dtype=torch.long, device=device),
+            hidden_layers,
+        )
+        committed = self._verify(rounds, logits)
+        for rnd, block in zip(rounds, committed):
+            self._commit(rnd, block, hidden, logit_rows, outputs)
+
+    def _draft(self, decoding: list[Request]) -> list[_Round]:
+        rounds = {req.request_id: _Round(req, EMPTY_DRAFT, False) for req in decoding}
+        by_drafter: dict[str, list[DraftRequest]] = {}
+        for req in decoding:
+            budget = self._budget(req, len(decoding))
+            if req.drafter is not None and budget > 0:
+                by_drafter.setdefault(req.drafter, []).append(
+                    DraftRequest(req.seq_id, req.tokens, budget, req.params, req.generator))
+        by_seq = {req.seq_id: req for req in decoding}
+        for spec, batch in by_drafter.items():
+            drafter = self.drafter(spec)
+            for dreq, draft in zip(batch, drafter.propose(batch)):
+                _check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
+                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, True)
+        return list(rounds.values())
+
+    def _conditional(self, rnd: _Round) -> list[float]:
+        k = len(rnd.draft.tokens)
+        if rnd.draft.confidence is not None:
+            return rnd.draft.confidence.float().tolist()[:k]
+        return self.estimator.conditional(rnd.req.drafter or "", rnd.req.request_id, k)
+
+    def _schedule(self, rounds: list[_Round], prefill_tokens: int) -> None:
+        """Cut each draft to the length its policy verifies (dspark: Algorithm 1 over all dspark requests)."""
+        sched = [r for r in rounds if r.req.policy == "dspark" and r.draft.tokens]
+        if not sched:
+            return
+        fixed = [r for r in rounds if r not in sched]
+        base_tokens = prefill_tokens + sum(len(r.draft.tokens) + 1 for r in fixed) + len(sched)
+        base_tau = sum(1 + sum(survival(self._conditional(r))) for r in fixed) + len(sched)
+        requests = len(rounds) + (1 if prefill_tokens else 0)
+        prof = self.profile
+        lengths = dspark_lengths(
+            [survival(self._conditional(r)) for r in sched], base_tokens, base_tau,
+            lambda b: prof.step_time(b, requests),
+        )
+        for rnd, n in zip(sched, lengths):
+            d = rnd.draft
+            rnd.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n],
+                              None if d.confidence is None else d.confidence[:n])
+
+    def _verify(self, rounds: list[_Round], logits: torch.Tensor) -> list[list[int]]:
+        """Committed tokens per round: greedy requests in one batched call, sampled ones with their own RNG."""
+        out: list[list[int] | None] = [None] * len(rounds)
+        greedy = [i for i, r in enumerate(rounds) if r.req.params.greedy]
+        if greedy:
+            rows = torch.cat([
+                torch.arange(rounds[i].rows, rounds[i].rows + len(rounds[i].draft.tokens) + 1) for i in greedy
+            ]).to(logits.device)
+            drafts = [t for i in greedy for t in rounds[i].draft.tokens]
+            res = greedy_verify(
+                torch.tensor(drafts, dtype=torch.long, device=logits.device),
+                torch.tensor([len(rounds[i].draft.tokens) for i in greedy], device=logits.device),
+                logits[rows],
+            )
+            for i, block in zip(greedy, res.rows()):
+                out[i] = block
+        for i, rnd in enumerate(rounds):
+            if out[i] is None:
+                k = len(rnd.draft.tokens)
+                res = _verify(logits[rnd.rows : rnd.rows + k + 1], rnd.draft.tokens, rnd.draft.probs, rnd.req.params,
+                              SpecConfig(k=k, verify=rnd.req.verify), rnd.req.generator)
+                out[i] = res.rows()[0]
+        return out  # type: ignore[return-value]
+
+    def _commit(
+        self, rnd: _Round, block: list[int], hidden: dict[int, torch.Tensor], logit_rows: list[int],
+        outputs: list[RequestOutput],
+    ) -> None:
+        req = rnd.req
+        k = len(rnd.draft.tokens)
+        num_accepted = len(block) - 1
+        n = len(req.tokens)
+        req.cache.truncate(n + num_accepted)  # the anchor and the accepted drafts stay; rejected ones go
+        emitted = req.stopper.extend(block)
+        req.tokens.extend(emitted.token_ids)
+        req.stats.record_round(k, num_accepted, len(emitted.token_ids))
+        self.metrics.record_round(k, num_accepted, len(emitted.token_ids))
+        if req.stats.num_rounds == 1:
+            req.stats.ttft_s = time.perf_counter() - req.arrival
+        if k:
+            self.estimator.update(req.drafter or "", req.request_id, k, num_accepted)
+        if rnd.drafted:
+            first = logit_rows[rnd.rows]
+            req_hidden = {layer: h[first : first + k + 1] for layer, h in hidden.items()}
+            self.drafter(req.drafter).accept(Verified(req.seq_id, num_accepted, emitted.token_ids, req_hidden))
+        if emitted.finish_reason is None:
+            outputs.append(RequestOutput(req.request_id, emitted.token_ids, emitted.text))
+        else:
+            outputs.append(self._finish(req, emitted.finish_reason, emitted.stop_reason, emitted.token_ids,
+                                        emitted.text))
+
+    # ---- introspection -------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Debug check: caches hold exactly the committed tokens but the anchor; reservations add up."""
+        assert self.reserved_tokens == sum(r.reserved for r in self.running), "reserved tokens out of sync"
+        assert self.reserved_tokens <= self.config.cache_budget_tokens, "over the cache budget"
+        for r in self.running:
+            assert r.cache is not None and r.cache.length <= len(r.tokens) - 1, f"{r.request_id}: cache overrun"

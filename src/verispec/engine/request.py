@@ -1,0 +1,50 @@
+"""One request's state inside the engine, and what the engine emits for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.cache import KVCache
+from verispec.config import SamplingParams
+from verispec.decode import GenerationResult
+from verispec.metrics import SpecStats
+from verispec.stopping import StopChecker
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # committed this step (after stop trimming)
+    text: str  # text delta
+    result: GenerationResult | None = None  # set when the request finished (finish_reason "abort" if aborted)
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    seq_id: int  # the drafters' key for this sequence
+    prompt: list[int]
+    params: SamplingParams
+    drafter: str | None  # drafter spec, None = no drafting
+    policy: str
+    k: int
+    verify: str
+    reserved: int  # KV positions reserved for this request
+    arrival: float
+    stopper: StopChecker
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # committed: prompt + output
+    cache: KVCache | None = None
+    started: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def pending(self) -> list[int]:
+        """Committed tokens the target's cache does not hold yet (the prompt before prefill, then the anchor)."""
+        return self.tokens[self.cache.length :] if self.cache is not None else self.tokens
