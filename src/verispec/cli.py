@@ -233,12 +233,86 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from verispec.config import EngineConfig
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server over the batching engine")
+    p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
+    p.add_argument("--drafter", default="ngram", help="default drafter spec for requests (none: plain)")
+    p.add_argument("--policy", default=EngineConfig.policy, choices=["off", "fixed", "batch-table", "dspark"])
+    p.add_argument("--k", type=int, default=EngineConfig.k, help="draft length (fixed) / maximum (other policies)")
+    p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
+    p.add_argument("--max-queued", type=int, default=EngineConfig.max_queued)
+    p.add_argument("--cache-budget-tokens", type=int, default=EngineConfig.cache_budget_tokens)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --api-key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="required on every route but /health (or $VERISPEC_API_KEY)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from verispec.api import set_threads
+    from verispec.config import EngineConfig
+    from verispec.serve.server import build_state, is_loopback, serve
+    from verispec.zoo import default_target
+
+    set_threads(args.threads)
+    api_key = args.api_key or os.environ.get("VERISPEC_API_KEY") or None
+    if not is_loopback(args.host) and not api_key:
+        raise VerispecError(f"refusing to listen on {args.host} without --api-key")
+    config = EngineConfig(
+        max_running=args.max_running, max_queued=args.max_queued, cache_budget_tokens=args.cache_budget_tokens,
+        policy=args.policy, k=args.k, drafter=None if args.drafter == "none" else args.drafter,
+    )
+    state = build_state(args.target or default_target(), config, dtype=args.dtype, api_key=api_key,
+                        model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+    serve(state, args.host, args.port)
+    return 0
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure the target's step time against tokens verified per step")
+    p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of the profile here")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from verispec.api import set_threads
+    from verispec.engine.profile import cache_path, load_or_measure, plot_profile
+    from verispec.model.checkpoint import load_model
+    from verispec.zoo import default_target
+
+    set_threads(args.threads)
+    target = load_model(args.target or default_target(), dtype=args.dtype)
+    prof = load_or_measure(target, progress=True, refresh=args.refresh)
+    print(f"profile {cache_path(prof.key)} ({prof.key['dtype']}, {prof.key['threads']} threads, {prof.key['device']})")
+    for b, s in zip(prof.tokens, prof.seconds):
+        print(f"  B={b:4d}  {s * 1e3:8.2f} ms/step  {b / s:9.0f} tokens/s if all accepted")
+    print(f"  each request beyond the first: +{prof.per_request_s * 1e3:.3f} ms/step")
+    if args.plot:
+        plot_profile(prof, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="verb", required=True)
     _add_generate(sub)
     _add_bench(sub)
     _add_train(sub)
+    _add_serve(sub)
+    _add_profile(sub)
     return parser
 
 

@@ -54,6 +54,15 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def special_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    def plain_text_copy(self) -> Tokenizer:
+        """A copy that encodes special-token strings in user text as ordinary text (no `<|eos|>` injection)."""
+        tok = _HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return Tokenizer(tok, self.eos_token_ids, self.bos_token_id, self.add_bos)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 

@@ -1,0 +1,122 @@
+"""The engine on a background thread, with an asyncio front: what the server and the load benchmark use.
+
+The loop thread owns the engine and runs `step` while there is work; callers add and abort from the event loop.
+Each request's outputs reach its own asyncio queue. Leaving `generate` early (a client disconnect, `aclose()`,
+task cancellation) aborts the request and frees its cache at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from verispec.config import RequestSpec, SamplingParams
+from verispec.engine.engine import Engine
+from verispec.engine.request import RequestOutput
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # set if the loop died
+        self.last_step_s = 0.0  # wall time of the last step (for health)
+        engine.on_output = self._deliver
+        self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                t0 = time.perf_counter()
+                self.engine.step()
+                self.last_step_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001  (reported through /ready and to every waiting request)
+            self.error = e
+            with self._sinks_lock:
+                sinks = list(self._sinks.items())
+            for rid, (loop, queue) in sinks:
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._sinks_lock:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+        if sink is not None:
+            loop, queue = sink
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, spec: RequestSpec = RequestSpec(),
+        request_id: str | None = None,
+    ) -> tuple[str, asyncio.Queue]:
+        """Queue a request (raises ConfigError / QueueFull at once) and return its id and output queue."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        with self._sinks_lock:  # registered first: the loop thread may emit before add_request returns
+            self._sinks[rid] = (loop, queue)
+        try:
+            self.engine.add_request(prompt, params, spec, rid)
+        except BaseException:
+            with self._sinks_lock:
+                self._sinks.pop(rid, None)
+            raise
+        self._wake.set()
+        return rid, queue
+
+    def abort(self, request_id: str) -> None:
+        with self._sinks_lock:
+            self._sinks.pop(request_id, None)
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Outputs of a submitted request until it finishes; leaving early aborts it."""
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"the engine failed: {item!r}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, spec: RequestSpec = RequestSpec(),
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        rid, queue = self.submit(prompt, params, spec, request_id)
+        async for out in self.stream(rid, queue):
+            yield out

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP server over the async engine (FastAPI).
+
+Routes: /v1/completions, /v1/chat/completions (SSE streaming ending in `[DONE]`), /v1/models, /health (alive),
+/ready (a real one-token generation succeeded and the engine loop is alive), /metrics (Prometheus text).
+Every route but /health needs the API key when one is set (constant-time compare). Bodies over the limit get
+413 before the app sees them; a full queue gets 429 with Retry-After; every error is OpenAI-shaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verispec.config import RequestSpec, SamplingParams
+from verispec.engine.async_engine import AsyncEngine
+from verispec.errors import ConfigError, QueueFull
+from verispec.model.tokenizer import Tokenizer
+from verispec.serve.chat import ChatTemplate
+from verispec.serve.metrics import render_metrics
+from verispec.serve.protocol import (
+    APIError,
+    chat_messages,
+    completion_prompt,
+    parse_sampling,
+    parse_speculation,
+    parse_stream,
+)
+
+log = logging.getLogger("verispec.serve")
+PUBLIC_ROUTES = frozenset({"/health"})
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    chat: ChatTemplate = field(default_factory=ChatTemplate)
+    ready: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.plain = self.tokenizer.plain_text_copy()  # user text: special-token strings stay text
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    data = json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": data})
+
+
+class GuardMiddleware:
+    """API key on every route but the public ones, and a body-size cap, before any route code runs."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and scope["path"] not in PUBLIC_ROUTES:
+            auth = headers.get(b"authorization", b"")
+            given = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, self.key):
+                err = APIError(401, "invalid or missing API key", type="authentication_error",
+                               code="invalid_api_key")
+                return await _send_json(send, 401, err.body(), {"WWW-Authenticate": "Bearer"})
+        too_big = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.max_body_bytes:
+            return await _send_json(send, 413, too_big.body(), {"Connection": "close"})
+        # Read the body here, counting, so a chunked upload cannot exceed the cap either; then replay it.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # disconnected before the body arrived
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await _send_json(send, 413, too_big.body(), {"Connection": "close"})
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later calls see the disconnect
+
+        return await self.app(scope, replay, send)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await _warm_up(state)
+        yield
+        state.engine.shutdown()
+
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.verispec = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(err.status_code, str(err.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        log.exception("unhandled error")
+        return _error_response(APIError(500, "internal error", type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.ready and state.engine.alive:
+            return {"status": "ready"}
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(state.engine.engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "verispec"}
+        ]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(state, request, chat=True)
+
+    return GuardMiddleware(app, state.api_key, state.max_body_bytes)  # type: ignore[return-value]
+
+
+async def _warm_up(state: ServerState) -> None:
+    """Readiness means a real generation went through the engine: run one token."""
+    prompt = state.tokenizer.encode("Hello") or [0]
+    try:
+        async for out in state.engine.generate(prompt, SamplingParams(max_tokens=1), RequestSpec(drafter="none")):
+            if out.finished:
+                state.ready = True
+    except Exception:  # noqa: BLE001  (stays not ready; /ready reports it)
+        log.exception("warm-up generation failed")
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _prepare(state: ServerState, body: dict, chat: bool) -> tuple[list[int], SamplingParams, RequestSpec]:
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"model {str(model)[:100]!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found", type="not_found_error")
+    target = state.engine.engine.target
+    vocab = target.config.vocab_size
+    if chat:
+        messages = chat_messages(body, state.tokenizer.special_tokens())
+        prompt_ids = state.tokenizer.encode(state.chat.render(messages))
+    else:
+        prompt_ids = completion_prompt(body, state.plain.encode, vocab)
+    params = parse_sampling(body, len(prompt_ids), state.engine.engine.limit, vocab)
+    return prompt_ids, params, parse_speculation(body.get("speculation"))
+
+
+async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
+    body = await _json_body(request)
+    prompt_ids, params, spec = _prepare(state, body, chat)
+    stream, include_usage = parse_stream(body)
+    try:
+        rid, queue = state.engine.submit(prompt_ids, params, spec, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except ConfigError as e:
+        param = "speculation" if "drafter" in str(e) else None
+        raise APIError(400, str(e), param=param) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), type="server_error") from None
+    shape = _Shape(rid, state.model_name, chat, int(time.time()))
+    if stream:
+        return StreamingResponse(_sse(state, shape, rid, queue, len(prompt_ids), include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    text, result = [], None
+    outputs = state.engine.stream(rid, queue)
+    try:
+        while result is None:
+            try:
+                out = await asyncio.wait_for(anext(outputs), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # the client is gone; closing `outputs` aborts
+                continue
+            except RuntimeError as e:
+                raise APIError(500, str(e), type="server_error") from None
+            text.append(out.text)
+            result = out.result
+    finally:
+        await outputs.aclose()
+    return JSONResponse(shape.full("".join(text), result.finish_reason, _usage(len(prompt_ids), result), result))
+
+
+def _usage(prompt_tokens: int, result) -> dict:
+    n = len(result.token_ids) if result is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """OpenAI response and chunk shapes for completions and chat completions."""
+
+    rid: str
+    model: str
+    chat: bool
+    created: int
+
+    def _base(self, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: dict, result) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        stats = result.stats
+        spec = {"tau": stats.tau, "acceptance_rate": stats.acceptance_rate, "num_drafts": stats.num_drafts,
+                "num_draft_tokens": stats.num_draft_tokens, "num_accepted_tokens": stats.num_accepted_tokens}
+        return {**self._base(False), "choices": [choice], "usage": usage, "speculation": spec}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return {**self._base(True), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._base(True), "choices": [], "usage": usage}
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _sse(
+    state: ServerState, shape: _Shape, rid: str, queue: asyncio.Queue, prompt_tokens: int, include_usage: bool
+) -> AsyncIterator[str]:
+    # Leaving this generator early (client gone: Starlette cancels it) closes engine.stream, which aborts.
+    if shape.chat:
+        yield _event(shape.chunk(None, role=True))
+    try:
+        async for out in state.engine.stream(rid, queue):
+            if out.result is None:
+                if out.text:
+                    yield _event(shape.chunk(out.text))
+                continue
+            if out.text:
+                yield _event(shape.chunk(out.text))
+            yield _event(shape.chunk(None, out.result.finish_reason))
+            if include_usage:
+                yield _event(shape.usage_chunk(_usage(prompt_tokens, out.result)))
+    except RuntimeError as e:
+        yield _event(APIError(500, str(e), type="server_error").body())
+        return
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,49 @@
+"""Building and running the server: load the models, start the engine loop, hand the app to uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from verispec.config import EngineConfig
+from verispec.engine.async_engine import AsyncEngine
+from verispec.engine.engine import Engine
+from verispec.errors import ConfigError
+from verispec.model.checkpoint import load_model
+from verispec.model.tokenizer import Tokenizer
+from verispec.serve.app import ServerState, create_app
+from verispec.serve.chat import ChatTemplate
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_state(
+    target_dir: Path, config: EngineConfig, *, dtype: str = "bf16", api_key: str | None = None,
+    model_name: str | None = None, max_body_bytes: int = 4 << 20, context_limit: int | None = None,
+) -> ServerState:
+    target = load_model(target_dir, dtype=dtype)
+    target.source_dir = target_dir
+    tokenizer = Tokenizer.from_dir(target_dir)
+    engine = Engine(target, tokenizer, config, context_limit=context_limit)
+    if config.drafter:
+        engine.drafter(config.drafter)  # a bad default drafter fails at startup, not on the first request
+    return ServerState(
+        engine=AsyncEngine(engine).start(), tokenizer=tokenizer, model_name=model_name or Path(target_dir).name,
+        api_key=api_key, max_body_bytes=max_body_bytes, chat=ChatTemplate.from_dir(target_dir),
+    )
+
+
+def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    if not is_loopback(host) and not state.api_key:
+        raise ConfigError(f"refusing to listen on {host} without --api-key: anyone who can reach it could use it")
+    import uvicorn
+
+    uvicorn.run(create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                h11_max_incomplete_event_size=64 * 1024)
