@@ -99,7 +99,7 @@ def measure(
 ) -> StepProfile:
     limit = target.config.context_limit
     token_counts = tuple(b for b in token_counts if b <= limit // 2) or (1,)
-    max_b = max(token_counts)
+    max_b = max(*token_counts, 8)  # 8: the per-request probe below
     context = max(1, min(context, limit - max_b - 1))
     caches = [KVCache.for_model(target, max_len=context + max_b + 1) for _ in range(8)]
     gen = torch.Generator().manual_seed(0)  # leave the global RNG alone
