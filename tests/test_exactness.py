@@ -40,7 +40,10 @@ class ArgmaxClaimingSoftQ(ModelDrafter):
     was drawn from (reliability.md §3.6 (d)). Verification cannot detect the lie, so the output is NOT p: used
     as a negative control that the statistical check has power through the whole decode loop."""
 
-    def _propose_one(self, r: DraftRequest) -> Draft:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self._lie(r) for r in requests]
+
+    def _lie(self, r: DraftRequest) -> Draft:
         cache = self._caches[r.seq_id]
         self._round_start[r.seq_id] = len(r.tokens)
         pending = r.tokens[cache.length :]

@@ -100,9 +100,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from verispec.bench.suite import BenchConfig
 
     p = sub.add_parser("bench", help="benchmarks: side by side, medians over repeats")
-    p.add_argument("suite", nargs="?", default="tasks", choices=["tasks", "core"],
+    p.add_argument("suite", nargs="?", default="tasks", choices=["tasks", "core", "serve"],
                    help="tasks (default): every drafter x k on the task prompt sets, with HF baselines; "
-                        "core: plain decoding vs HF generate on a random 49M model, ngram, per-forward cost")
+                        "core: plain decoding vs HF generate on a random 49M model, ngram, per-forward cost; "
+                        "serve: load against the engine per verification policy and drafter")
     p.add_argument("--quick", action="store_true", help="a few prompts, k=4, 48 tokens: minutes, not half an hour")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
     p.add_argument("--methods", default=None,
@@ -120,6 +121,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--new-tokens", type=int, default=128, help="core suite: tokens per generation")
     p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help="core suite: random checkpoints")
+    p.add_argument("--concurrency", default=None, help="serve suite: comma-separated client counts")
+    p.add_argument("--drafters", default=None, help="serve suite: comma-separated drafter specs (default: ngram "
+                                                    "and the zoo's draft model)")
+    p.add_argument("--poisson", default=None, help="serve suite: comma-separated open-loop request rates (req/s)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -128,6 +133,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from verispec.bench import core
 
         return core.main(args.out, args.repeats or 5, args.new_tokens, args.threads, args.cache_dir)
+    if args.suite == "serve":
+        return _bench_serve(args)
     import torch
 
     from verispec.bench.suite import BenchConfig, run
@@ -151,6 +158,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     print(summary_markdown(report))
     print(f"wrote {args.out}/results.json, summary.md, speedup.png, acceptance.png")
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from verispec.api import set_threads
+    from verispec.bench.serve import ServeBenchConfig, run
+    from verispec.zoo import default_drafter_spec, default_target
+
+    set_threads(args.threads)
+    drafters = tuple(args.drafters.split(",")) if args.drafters else tuple(
+        d for d in ("ngram", default_drafter_spec()) if d)
+    overrides = {
+        "drafters": drafters, "dtype": args.dtype,
+        "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
+        "poisson_rates": tuple(float(r) for r in args.poisson.split(",")) if args.poisson else None,
+        "max_tokens": args.max_tokens,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    target = args.target or default_target()
+    cfg = ServeBenchConfig.quick(target, **overrides) if args.quick else ServeBenchConfig(target, **overrides)
+    report = run(cfg, args.out)
+    for g in report["goals"]:
+        print(f"goal: {g['goal']}: {'met' if g['met'] else 'not met'}")
+    print(f"wrote {args.out}/serve_results.json, serve_summary.md, serve_pareto.png")
     return 0
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.cache import KVCache
+from verispec.cache import KVCache, PackedBatch
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
 from verispec.errors import CheckpointError
 from verispec.model.checkpoint import load_model
@@ -40,29 +40,38 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [self._propose_one(r) for r in requests]
-
-    def _propose_one(self, r: DraftRequest) -> Draft:
-        cache = self._caches[r.seq_id]
-        budget = min(r.budget, cache.max_len - len(r.tokens))
-        if budget <= 0:
-            return EMPTY_DRAFT
-        self._round_start[r.seq_id] = len(r.tokens)
-        pending = r.tokens[cache.length :]  # committed tokens the draft model has not seen yet
-        tokens, rows = [], []
-        for _ in range(budget):
-            inp = torch.tensor([pending], device=self.model.device)
-            logits, _ = self.model(inp, cache=cache, num_logits=1)
-            logits = logits[0, -1]
-            if r.params.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = probs_for(logits, r.params)
-                tok = int(sample(q, r.generator))
-                rows.append(q)
-            tokens.append(tok)
-            pending = [tok]
-        return Draft(tokens=tokens, probs=torch.stack(rows) if rows else None)
+        """All requests advance together: one packed forward of the draft model per draft position."""
+        budgets, pending = [], []
+        for r in requests:
+            cache = self._caches[r.seq_id]
+            budgets.append(max(0, min(r.budget, cache.max_len - len(r.tokens))))
+            pending.append(r.tokens[cache.length :])  # committed tokens the draft model has not seen yet
+            if budgets[-1] > 0:
+                self._round_start[r.seq_id] = len(r.tokens)
+        tokens: list[list[int]] = [[] for _ in requests]
+        rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        device = self.model.device
+        for step in range(max(budgets, default=0)):
+            live = [i for i, b in enumerate(budgets) if b > step]
+            batch = PackedBatch.build([self._caches[requests[i].seq_id] for i in live],
+                                      [len(pending[i]) for i in live], device)
+            flat = [t for i in live for t in pending[i]]
+            last = torch.tensor([s.start + s.length - 1 for s in batch.segments], device=device)
+            logits, _ = self.model.forward_packed(torch.tensor(flat, device=device), batch, last)  # [len(live), V]
+            for row, i in enumerate(live):
+                r = requests[i]
+                if r.params.greedy:
+                    tok = int(logits[row].argmax())
+                else:
+                    q = probs_for(logits[row], r.params)
+                    tok = int(sample(q, r.generator))
+                    rows[i].append(q)
+                tokens[i].append(tok)
+                pending[i] = [tok]
+        return [
+            Draft(tokens=t, probs=torch.stack(q) if q else None) if t else EMPTY_DRAFT
+            for t, q in zip(tokens, rows)
+        ]
 
 
 def check_vocab_compatible(target_dir: Path | None, draft_dir: Path, target: Transformer, draft: Transformer) -> None:

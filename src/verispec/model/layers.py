@@ -152,12 +152,16 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _attend(self, q, k, v, cache, mask) -> torch.Tensor:  # q [B, H, T, D] -> [B, H, T, D]
+        dtype = q.dtype
         if cache is not None:
-            k, v = cache.write(self.layer_idx, k, v)  # [B, Hkv, S, D] with S = cached + T
+            k, v = cache.write(self.layer_idx, k, v)  # [B, Hkv, S, D] with S = cached + T, in the cache's dtype
+            q = q.to(k.dtype)
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.to(dtype)
 
 
 class MLP(nn.Module):
