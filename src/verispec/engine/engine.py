@@ -72,6 +72,7 @@ class _Round:
     draft: Draft
     drafted: bool  # the drafter proposed (so it must hear the verdict)
     rows: int = 0  # first logit row of this request in the step's logits
+    proposed: list[int] = field(default_factory=list)  # the whole draft, before the policy cut it
 
 
 class Engine:
@@ -316,7 +317,7 @@ class Engine:
             drafter = self.drafter(spec)
             for dreq, draft in zip(batch, drafter.propose(batch)):
                 _check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
-                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, True)
+                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, True, 0, draft.tokens)
         return list(rounds.values())
 
     def _conditional(self, rnd: _Round) -> list[float]:
@@ -383,8 +384,9 @@ class Engine:
         self.metrics.record_round(k, num_accepted, len(emitted.token_ids))
         if req.stats.num_rounds == 1:
             req.stats.ttft_s = time.perf_counter() - req.arrival
-        if k:
-            self.estimator.update(req.drafter or "", req.request_id, k, num_accepted)
+        if rnd.proposed:
+            req.shadow.append((n, rnd.proposed))
+        self._learn_acceptance(req)
         if rnd.drafted:
             first = logit_rows[rnd.rows]
             req_hidden = {layer: h[first : first + k + 1] for layer, h in hidden.items()}
@@ -394,6 +396,20 @@ class Engine:
         else:
             outputs.append(self._finish(req, emitted.finish_reason, emitted.stop_reason, emitted.token_ids,
                                         emitted.text))
+
+    def _learn_acceptance(self, req: Request) -> None:
+        """Score each whole proposal, cut or not, once the target's own continuation covers it: position j counts
+        as accepted while the draft matches what the target committed. That is greedy verification's verdict
+        exactly (and sample-match's), so positions the policy did not verify still teach the estimator; without
+        that, an estimate that once fell below the cost of verifying could never recover."""
+        while req.shadow:
+            start, proposed = req.shadow[0]
+            actual = req.tokens[start : start + len(proposed)]
+            if len(actual) < len(proposed):
+                return
+            req.shadow.popleft()
+            matched = next((j for j, (x, y) in enumerate(zip(proposed, actual)) if x != y), len(proposed))
+            self.estimator.update(req.drafter or "", req.request_id, len(proposed), matched)
 
     # ---- introspection -------------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ class Request:
     cache: KVCache | None = None
     started: float = 0.0
     stats: SpecStats = field(default_factory=SpecStats)
+    shadow: deque[tuple[int, list[int]]] = field(default_factory=deque)  # (index in tokens, whole proposal)
 
     @property
     def pending(self) -> list[int]:
