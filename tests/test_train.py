@@ -57,3 +57,18 @@ def test_training_reduces_loss(tmp_path):
     train_lm(cfg, lambda s: w.batch(s, 4), w, tmp_path / "r", "toy", progress=False)
     log = json.loads((tmp_path / "r" / "train_log.json").read_text())
     assert log[-1]["val_loss"] < 1.0 < log[0]["train_loss"]
+
+
+def test_warm_start_begins_from_the_given_weights(tmp_path):
+    """A second stage (init_from) starts from the first stage's weights: with lr 0 it keeps them exactly, and its
+    log counts tokens from the data offset on."""
+    cfg = dict(seq_len=16, batch_size=2, lr=1e-2, warmup_steps=2, max_steps=6, eval_every=6, eval_windows=2,
+               model=TOY)
+    first = _run(tmp_path, tmp_path / "a", cfg)
+    second = _run(tmp_path, tmp_path / "b", {**cfg, "lr": 0.0, "max_steps": 2, "init_from": str(first),
+                                             "data_offset": 6})
+    a, b = load_model(first), load_model(second)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    log = json.loads((tmp_path / "b" / "train_log.json").read_text())
+    assert [e["tokens"] for e in log] == [(6 + i) * 32 for i in (1, 2)]

@@ -259,7 +259,10 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     if train_target(args.data_dir / "tokens", args.out, cfg, stop_at=args.stop_at) is None:
         print(f"checkpointed at step {args.stop_at} in {args.out}/state; rerun to continue")
         return 0
-    summary = finalize(args.out, args.data_dir, args.zoo_dir, name="target", role="target model")
+    earlier = None
+    if args.init_from is not None and (args.init_from / "training_summary.json").is_file():
+        earlier = json.loads((args.init_from / "training_summary.json").read_text())
+    summary = finalize(args.out, args.data_dir, args.zoo_dir, name="target", role="target model", earlier=earlier)
     print(f"saved {args.zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
     return 0
 

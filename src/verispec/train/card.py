@@ -90,6 +90,17 @@ def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str,
         "final_val_loss": val[-1]["val_loss"] if val else None, "heldout_perplexity": ppl,
         "config": cfg,
     }
+    stages = ""
+    if earlier is not None:
+        summary["stages"] = [*earlier.get("stages", [_stage(earlier)]), _stage(summary)]
+        summary["steps"] = sum(st["steps"] for st in summary["stages"])
+        summary["training_hours"] = sum(st["training_hours"] for st in summary["stages"])
+        stages = "\n\nTrained in stages (each later one warm-starts from the weights of the one before, with a fresh " \
+                 "optimizer and schedule, and continues the data order):\n" + "\n".join(
+                     f"- stage {i}: {st['steps']} steps, peak lr {st['config']['lr']}, {st['training_hours']:.2f} h, "
+                     f"validation loss {st['final_val_loss']:.3f}" for i, st in enumerate(summary["stages"], 1)) + \
+                 f"\n- total: {summary['steps']} steps = {log[-1]['tokens'] / 1e6:.1f}M tokens in " \
+                 f"{summary['training_hours']:.2f} h"
     (zoo_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     c = model.config
     card = f"""# verispec {name}
@@ -108,8 +119,8 @@ trained from scratch on CPU. Weights in bf16 safetensors, Hugging Face layout (`
 ## Training
 {method}; AdamW (β 0.9/0.95, weight decay {cfg['weight_decay']}), peak lr {cfg['lr']} with
 {cfg['warmup_steps']} warmup steps and cosine decay to {cfg['min_lr_ratio']}×, {cfg['batch_size']}×{cfg['seq_len']}
-tokens per step, bf16 autocast, {meta['step']} steps = {log[-1]['tokens'] / 1e6:.1f}M tokens in
-{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `{recipe}`.
+tokens per step, bf16 autocast, {meta['step']} steps = {meta['step'] * cfg['batch_size'] * cfg['seq_len'] / 1e6:.1f}M tokens in
+{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `{recipe}`.{stages}
 
 ## Results
 - final train loss (mean of the last 20 steps): {summary['final_train_loss']:.3f} nats/token
@@ -120,3 +131,9 @@ tokens per step, bf16 autocast, {meta['step']} steps = {log[-1]['tokens'] / 1e6:
 """
     (zoo_dir / "README.md").write_text(card)
     return summary
+
+
+def _stage(summary: dict) -> dict:
+    cfg = summary["config"]
+    stage = {k: summary[k] for k in ("steps", "training_hours", "final_val_loss", "config")}
+    return {**stage, "training_tokens": summary["steps"] * cfg["batch_size"] * cfg["seq_len"]}
