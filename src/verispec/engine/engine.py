@@ -29,6 +29,7 @@ from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, surviv
 from verispec.engine.profile import StepProfile
 from verispec.engine.request import Request, RequestOutput
 from verispec.errors import ConfigError, QueueFull
+from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.sampling import make_generator
@@ -37,31 +38,18 @@ from verispec.verify import greedy_verify
 
 
 @dataclass
-class EngineMetrics:
-    """Counters named as vLLM names them (prefix them with `vllm:` or ours), plus gauges read at scrape time."""
+class EngineMetrics(SpecStats):
+    """Engine-wide counters: the speculation counters of SpecStats summed over every request (vLLM's names),
+    plus admission and step counts."""
 
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
-    generation_tokens: int = 0
     num_steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     rejected: int = 0  # refused at admission (queue full)
 
-    def record_round(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
-        self.generation_tokens += num_emitted
-        if num_draft == 0:
-            return
-        counted = min(num_accepted, num_emitted)
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += counted
-        if len(self.accepted_per_pos) < num_draft:
-            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
-        for j in range(counted):
-            self.accepted_per_pos[j] += 1
+    @property
+    def generation_tokens(self) -> int:
+        return self.num_output_tokens
 
 
 @dataclass
