@@ -114,11 +114,15 @@ def decode_stream(
     cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1))
     hidden_layers = drafter.needs_hidden_layers if drafter else ()
     device = target.device
+    prefill_hidden: dict[int, torch.Tensor] = {}
     if len(prompt_ids) > 1:
-        target(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, num_logits=0)
+        _, prefill_hidden = target(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, num_logits=0,
+                                   hidden_layers=hidden_layers)
     tokens = list(prompt_ids)
     if drafter is not None:
         drafter.start(seq_id, tokens)
+        if prefill_hidden:
+            drafter.observe(seq_id, 0, {k: v[0] for k, v in prefill_hidden.items()})
     try:
         while True:
             n = len(tokens)

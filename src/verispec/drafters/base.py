@@ -61,6 +61,10 @@ class Drafter(ABC):
     def start(self, seq_id: int, prompt: list[int]) -> None:
         """A sequence begins (its prompt is `prompt`)."""
 
+    def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        """The target computed hidden states {layer: [T, d]} (the layers in `needs_hidden_layers`) for committed
+        positions start..start+T-1 outside a verification round (the prefill)."""
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One draft per request, each at most its budget long."""

@@ -58,7 +58,6 @@ class _Round:
 
     req: Request
     draft: Draft
-    drafted: bool  # the drafter proposed (so it must hear the verdict)
     rows: int = 0  # first logit row of this request in the step's logits
     proposed: list[int] = field(default_factory=list)  # the whole draft, before the policy cut it
 
@@ -268,12 +267,16 @@ class Engine:
 
         # One packed forward: [prefill chunks] then per decoding request [pending..., draft...].
         caches, lengths, tokens, logit_rows = [], [], [], []
+        observed: list[tuple[Request, int, int, int]] = []  # prompt rows drafters must see: (req, pos, row, n)
         for req, n in prefill:
+            observed.append((req, req.cache.length, len(tokens), n))
             caches.append(req.cache)
             lengths.append(n)
             tokens.extend(req.pending[:n])
         for rnd in rounds:
             seg = rnd.req.pending + rnd.draft.tokens
+            if len(rnd.req.pending) > 1:  # the rest of the prompt rides along with the first round
+                observed.append((rnd.req, rnd.req.cache.length, len(tokens), len(rnd.req.pending) - 1))
             caches.append(rnd.req.cache)
             lengths.append(len(seg))
             first = len(tokens) + len(seg) - len(rnd.draft.tokens) - 1  # the anchor's row
@@ -281,22 +284,27 @@ class Engine:
             logit_rows.extend(range(first, first + len(rnd.draft.tokens) + 1))
             tokens.extend(seg)
         device = self.target.device
-        hidden_layers = sorted({layer for rnd in rounds if rnd.drafted
-                                for layer in self.drafter(rnd.req.drafter).needs_hidden_layers})
+        users = [r for r in self.running if r.drafter is not None]
+        hidden_layers = sorted({layer for r in users for layer in self.drafter(r.drafter).needs_hidden_layers})
         batch = PackedBatch.build(caches, lengths, device)
         logits, hidden = self.target.forward_packed(
             torch.tensor(tokens, device=device), batch, torch.tensor(logit_rows, dtype=torch.long, device=device),
             hidden_layers,
         )
+        for req, pos, row, n in observed:
+            if req.drafter is not None and hidden:
+                self.drafter(req.drafter).observe(req.seq_id, pos, {k: h[row : row + n] for k, h in hidden.items()})
         committed = self._verify(rounds, logits)
         for rnd, block in zip(rounds, committed):
             self._commit(rnd, block, hidden, logit_rows, outputs)
 
     def _draft(self, decoding: list[Request]) -> list[_Round]:
-        rounds = {req.request_id: _Round(req, EMPTY_DRAFT, False) for req in decoding}
+        rounds = {req.request_id: _Round(req, EMPTY_DRAFT) for req in decoding}
         by_drafter: dict[str, list[DraftRequest]] = {}
         for req in decoding:
             budget = self._budget(req, len(decoding))
+            if len(req.pending) > 1 and req.drafter is not None and self.drafter(req.drafter).needs_hidden_layers:
+                budget = 0  # its context (the prompt's hidden states) arrives with this very forward
             if req.drafter is not None and budget > 0:
                 by_drafter.setdefault(req.drafter, []).append(
                     DraftRequest(req.seq_id, req.tokens, budget, req.params, req.generator))
@@ -305,7 +313,7 @@ class Engine:
             drafter = self.drafter(spec)
             for dreq, draft in zip(batch, drafter.propose(batch)):
                 _check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
-                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, True, 0, draft.tokens)
+                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, 0, draft.tokens)
         return list(rounds.values())
 
     def _conditional(self, rnd: _Round) -> list[float]:
@@ -375,7 +383,7 @@ class Engine:
         if rnd.proposed:
             req.shadow.append((n, rnd.proposed))
         self._learn_acceptance(req)
-        if rnd.drafted:
+        if req.drafter is not None:  # every round, drafted or not, as the reference loop does
             first = logit_rows[rnd.rows]
             req_hidden = {layer: h[first : first + k + 1] for layer, h in hidden.items()}
             self.drafter(req.drafter).accept(Verified(req.seq_id, num_accepted, emitted.token_ids, req_hidden))

@@ -1,0 +1,166 @@
+"""Block drafters (`block`: parallel, DFlash-style; `dspark`: with the Markov head and the confidence head).
+
+Per sequence the drafter keeps a cache of context keys/values built from the target's hidden states of every
+committed position before the anchor: the prompt's come from the prefill (`observe`), later ones from the rows
+each verification round verified and kept (`accept`: the anchor and the accepted drafts). So a round costs one
+block forward of the drafter plus an O(gamma) head loop; the target forward that verifies a round also yields the
+next round's context.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verispec.cache import KVCache
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
+from verispec.errors import CheckpointError
+from verispec.model.block import BlockConfig, BlockDraftModel
+from verispec.model.transformer import Transformer
+from verispec.sampling import probs_for, sample
+
+KIND_KEY = "verispec_drafter"
+
+
+class BlockDrafter(Drafter):
+    name = "block"
+
+    def __init__(self, model: BlockDraftModel, target: Transformer, temperatures: list[float] | None = None) -> None:
+        self.model, self.target = model.eval(), target
+        self.needs_hidden_layers = model.config.target_layers  # type: ignore[misc]  (per instance)
+        # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
+        self.temperatures = list(temperatures or [])
+        self._ctx: dict[int, KVCache] = {}
+
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        cfg = self.target.config
+        self._ctx[seq_id] = KVCache(
+            self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.context_limit + self.model.config.block_size, dtype=torch.float32, device=self.target.device,
+        )
+
+    def finish(self, seq_id: int) -> None:
+        self._ctx.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        cache = self._ctx[seq_id]
+        self.model.append_context(cache, self.model.context_features(hidden)[None], start)
+
+    def accept(self, result: Verified) -> None:
+        # Rows of the anchor and the accepted drafts: context for positions anchor_pos .. anchor_pos + accepted.
+        keep = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
+        self.observe(result.seq_id, self._ctx[result.seq_id].length, keep)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self._propose_one(r) for r in requests]
+
+    def _temperature(self, j: int) -> float:
+        return self.temperatures[j] if j < len(self.temperatures) else 1.0
+
+    def _propose_one(self, r: DraftRequest) -> Draft:
+        cfg = self.model.config
+        budget = min(r.budget, cfg.block_size)
+        if budget <= 0:
+            return EMPTY_DRAFT
+        cache = self._ctx[r.seq_id]
+        anchor_pos = len(r.tokens) - 1
+        if cache.length != anchor_pos:
+            raise RuntimeError(f"block drafter context holds {cache.length} positions, the anchor is at {anchor_pos}")
+        device = self.target.device
+        ctx = [(cache.k[i, :, :, :anchor_pos], cache.v[i, :, :, :anchor_pos]) for i in range(cfg.num_layers)]
+        h = self.model.block_hidden(self.target.model.embed_tokens, torch.tensor([r.tokens[-1]], device=device),
+                                    torch.tensor([anchor_pos], device=device), ctx)[0]  # [G, d]
+        base = self.target.lm_head(h.to(self.target.dtype)).float()  # [G, V] the block logits U
+        tokens, rows, conf = [], [], []
+        prev = r.tokens[-1]
+        for j in range(budget):
+            logits = base[j]
+            prev_t = torch.tensor(prev, device=device)
+            if cfg.head == "markov":
+                logits = logits + self.model.markov_bias(prev_t).float()
+            if cfg.confidence:  # from h_j and x_{j-1} only: never from the token about to be drawn
+                logit = self.model.confidence_logit(h[j], prev_t).float()
+                conf.append(torch.sigmoid(logit / self._temperature(j)))
+            if r.params.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_for(logits, r.params)
+                tok = int(sample(q, r.generator))
+                rows.append(q)
+            tokens.append(tok)
+            prev = tok
+        return Draft(tokens, torch.stack(rows) if rows else None, torch.stack(conf) if conf else None)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+def save_block_drafter(model: BlockDraftModel, path: Path, extra: dict | None = None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    t = model.target_config
+    meta = {KIND_KEY: "dspark" if model.config.head == "markov" else "block", "block": model.config.to_dict(),
+            "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+                       "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
+    (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+
+
+def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise CheckpointError(f"{path} is not a block drafter checkpoint (needs config.json and model.safetensors)")
+    try:
+        meta = json.loads(cfg_file.read_text())
+        cfg = BlockConfig(**meta["block"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{cfg_file} is not a block drafter config: {e}") from None
+    t, want = target.config, meta.get("target", {})
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if want.get(key) != getattr(t, key):
+            raise CheckpointError(f"block drafter {path} was trained for a target with {key}={want.get(key)}, "
+                                  f"this target has {getattr(t, key)}")
+    model = BlockDraftModel(t, cfg)
+    state = load_file(str(weights))
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in expected.items():
+        if state[k].shape != v.shape:
+            raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    calibration = path / "calibration.json"
+    temps = json.loads(calibration.read_text()).get("sts_temperatures") if calibration.is_file() else None
+    return BlockDrafter(model.to(target.device), target, temps)
+
+
+def _bench_spec(kind: str):
+    def spec(zoo: Path) -> str | None:
+        return f"{kind}:{zoo / kind}" if (zoo / kind / "config.json").is_file() else None
+
+    return spec
+
+
+@register_drafter("block", bench_spec=_bench_spec("block"))
+def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
+    """`block:DIR`: a trained parallel (or DSpark) block drafter for this target."""
+    if arg is None:
+        raise CheckpointError("the block drafter needs a checkpoint: block:DIR")
+    return load_block_drafter(arg, target)
+
+
+@register_drafter("dspark", bench_spec=_bench_spec("dspark"))
+def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
+    """`dspark:DIR`: a block drafter with DSpark's Markov head and confidence head."""
+    if arg is None:
+        raise CheckpointError("the dspark drafter needs a checkpoint: dspark:DIR")
+    drafter = load_block_drafter(arg, target)
+    if drafter.model.config.head != "markov":
+        raise CheckpointError(f"{arg} is a parallel block drafter; load it as block:{arg}")
+    return drafter

@@ -1,0 +1,162 @@
+"""Block drafters: one forward pass proposes a whole block (DFlash), optionally with DSpark's sequential head
+and confidence head (algorithms.md §1.1-1.3, §3.1).
+
+Context: the target's hidden states at a few layers, concatenated, projected (`fc`) and normalised, become keys
+and values in every draft layer (through that layer's own k/v projections). The block input is
+[anchor, MASK x (gamma - 1)] at positions anchor_pos + 0..gamma-1; attention inside the block is bidirectional and
+sees every context position before the anchor. Slot k predicts the token at anchor_pos + k + 1. The target's
+embedding and LM head are shared and frozen (not part of the drafter's weights).
+
+Heads on top of the block logits U_k:
+- none (parallel, DFlash): q_k = softmax(U_k), all positions independent.
+- markov (DSpark): q_k = softmax(U_k + W2 W1[x_{k-1}]), x_0 = the anchor: sampled left to right, so each q_k
+  is exact for the token actually drawn.
+- confidence (DSpark): c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]), P(x_k accepted | x_1..x_{k-1} accepted), known
+  before x_k is drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.cache import KVCache
+from verispec.config import ModelConfig
+from verispec.errors import ConfigError
+from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+
+HEADS = ("none", "markov")
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    target_layers: tuple[int, ...]  # target hidden-state layers used as context (HF indexing; not the last)
+    block_size: int = 8  # gamma
+    num_layers: int = 2
+    head: str = "none"  # none | markov
+    markov_rank: int = 64
+    confidence: bool = False
+    mask_token_id: int = 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
+        if self.head not in HEADS:
+            raise ConfigError(f"block head must be one of {HEADS}, got {self.head!r}")
+        if self.confidence and self.head != "markov":
+            raise ConfigError("the confidence head reuses the Markov embedding: it needs head='markov'")
+        if self.block_size < 1 or self.num_layers < 1 or not self.target_layers:
+            raise ConfigError("block_size, num_layers and target_layers must be positive / non-empty")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "target_layers": list(self.target_layers)}
+
+
+class _BlockLayer(nn.Module):
+    """A pre-norm decoder layer whose attention also sees the projected context as keys/values."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nq, self.nkv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nq * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.nq * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:  # x [B, T, d] -> [B, Hkv, T, D]
+        b, t, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(b, t, self.nkv, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, G, d] block
+        cos, sin,  # [B, G, 1, D] block positions
+        ctx_k: torch.Tensor, ctx_v: torch.Tensor,  # [B, Hkv, S, D] context keys/values (RoPE applied)
+        ctx_mask: torch.Tensor | None,  # [B, 1, G, S + G] bool or None (everything visible)
+    ) -> torch.Tensor:
+        b, g, _ = x.shape
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_norm(self.q_proj(h).view(b, g, self.nq, self.head_dim)), cos, sin).transpose(1, 2)
+        k, v = self.kv(h, cos, sin)
+        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask, enable_gqa=self.nq != self.nkv)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(b, g, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockDraftModel(nn.Module):
+    """The drafter's own weights; embedding and LM head come from the target at call time."""
+
+    def __init__(self, target_cfg: ModelConfig, cfg: BlockConfig) -> None:
+        super().__init__()
+        self.config, self.target_config = cfg, target_cfg
+        d = target_cfg.hidden_size
+        self.fc = nn.Linear(d * len(cfg.target_layers), d, bias=False)
+        self.hidden_norm = RMSNorm(d, target_cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(_BlockLayer(target_cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, target_cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(target_cfg)
+        if cfg.head == "markov":
+            self.markov_in = nn.Embedding(target_cfg.vocab_size, cfg.markov_rank)  # W1
+            self.markov_out = nn.Linear(cfg.markov_rank, target_cfg.vocab_size, bias=False)  # W2
+            nn.init.zeros_(self.markov_out.weight)  # starts as the parallel drafter
+        if cfg.confidence:
+            self.confidence_head = nn.Linear(d + cfg.markov_rank, 1)
+
+    # ---- context ----------------------------------------------------------------------------------------------
+    def context_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:  # {layer: [..., T, d]} -> [..., T, d]
+        h = torch.cat([hidden[layer] for layer in self.config.target_layers], dim=-1)
+        return self.hidden_norm(self.fc(h.to(self.fc.weight.dtype)))
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [B, Hkv, T, D] of context features [B, T, d] at positions [B, T]."""
+        cos, sin = self.rotary_emb(positions, feats.dtype)
+        return [layer.kv(feats, cos, sin) for layer in self.layers]
+
+    def append_context(self, cache: KVCache, feats: torch.Tensor, start: int) -> None:
+        """Write context features [1, T, d] for positions start..start+T-1 into a per-sequence cache."""
+        if cache.length != start:
+            raise ValueError(f"context cache holds {cache.length} positions, new features start at {start}")
+        positions = torch.arange(start, start + feats.shape[1], device=feats.device)[None]
+        for i, (k, v) in enumerate(self.context_kv(feats, positions)):
+            cache.write(i, k, v)
+        cache.advance(feats.shape[1])
+
+    # ---- block ------------------------------------------------------------------------------------------------
+    def block_hidden(
+        self,
+        embed: nn.Embedding,
+        anchors: torch.Tensor,  # [B] anchor token ids
+        anchor_pos: torch.Tensor,  # [B] anchor positions
+        ctx: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [B, Hkv, S, D]
+        ctx_mask: torch.Tensor | None = None,  # [B, 1, 1 or G, S] bool: which context positions each block sees
+    ) -> torch.Tensor:  # [B, G, d] final-normed block states
+        g = self.config.block_size
+        tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        tokens[:, 0] = anchors
+        x = embed(tokens).to(self.fc.weight.dtype)
+        positions = anchor_pos[:, None] + torch.arange(g, device=anchors.device)[None]
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        mask = None
+        if ctx_mask is not None:  # the block always sees itself
+            own = torch.ones(*ctx_mask.shape[:2], g, g, dtype=torch.bool, device=ctx_mask.device)
+            mask = torch.cat([ctx_mask.expand(-1, -1, g, -1), own], dim=-1)
+        for layer, (k, v) in zip(self.layers, ctx):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V]
+        return self.markov_out(self.markov_in(prev))
+
+    def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # [..., d], [...] -> [...]
+        return self.confidence_head(torch.cat([h, self.markov_in(prev).to(h.dtype)], dim=-1)).squeeze(-1)

@@ -1,0 +1,177 @@
+"""Block drafters (parallel and DSpark) with random weights: exact whatever they propose, their incremental
+context equals a from-scratch recomputation, and their checkpoints load or fail clearly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _markov import tv_limit
+from conftest import tiny_model
+from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair_joints
+
+from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters import DraftRequest, build_drafter
+from verispec.drafters.block import BlockDrafter, load_block_drafter, save_block_drafter
+from verispec.engine import Engine
+from verispec.errors import CheckpointError, ConfigError
+from verispec.model.block import BlockConfig, BlockDraftModel
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28], [7]]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def make_block(target, head="none", confidence=False, block_size=4, seed=0, std=0.2) -> BlockDraftModel:
+    torch.manual_seed(seed)
+    model = BlockDraftModel(target.config, BlockConfig(target_layers=(1,), block_size=block_size, num_layers=1,
+                                                      head=head, markov_rank=8, confidence=confidence))
+    for name, p in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            torch.nn.init.normal_(p, std=std)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, 0.2)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return [decode(target, p, GREEDY).token_ids for p in PROMPTS]
+
+
+KINDS = {"parallel": dict(head="none"), "dspark": dict(head="markov", confidence=True)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_greedy_equals_plain(kind, k, target, plain):
+    """A1: random block drafters, any k (capped at the block size): output equals plain greedy decoding."""
+    for prompt, ref in zip(PROMPTS, plain):
+        drafter = BlockDrafter(make_block(target, **KINDS[kind]), target)
+        out = decode(target, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=k))
+        assert out.token_ids == ref
+        assert out.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_engine_greedy_with_block_drafters(kind, target, plain):
+    """The engine feeds the drafter's context from prefill chunks and every verified round, mixed in a batch."""
+    drafters = {"b": BlockDrafter(make_block(target, **KINDS[kind]), target)}
+    engine = Engine(target, None, EngineConfig(k=4, drafter="b", prefill_chunk=6), drafters=drafters)
+    ids = [engine.add_request(p, GREEDY, RequestSpec(k=k)) for p, k in zip(PROMPTS, (4, 2, 3))]
+    ids.append(engine.add_request(PROMPTS[0], GREEDY, RequestSpec(drafter="ngram")))
+    results = engine.run_until_done()
+    for i, ref in enumerate(plain + plain[:1]):
+        assert results[ids[i]].token_ids == ref
+
+
+def test_context_cache_equals_recomputation(target):
+    """After several rounds the drafter's incremental context (prefill + accepted rows) gives the same block as
+    context features recomputed from one target forward over all committed tokens."""
+    model = make_block(target, head="markov", confidence=True)
+    drafter = BlockDrafter(model, target)
+    out = decode(target, PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True), drafter=drafter,
+                 spec=SpecConfig(k=3), seq_id=5)
+    tokens = PROMPTS[1] + out.token_ids
+    drafter.start(9, tokens)
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([tokens[:-1]]), hidden_layers=(1,))
+        drafter.observe(9, 0, {1: hidden[1][0]})
+        req = DraftRequest(9, tokens, 4, SamplingParams(), None)
+        fresh = drafter.propose([req])[0]
+    # The same drafter replayed round by round (seq 5 was finished by decode): rebuild it incrementally.
+    incremental = BlockDrafter(model, target)
+    decode(target, PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True), drafter=_Recorder(incremental, tokens),
+           spec=SpecConfig(k=3), seq_id=7)
+    assert incremental.last == fresh.tokens
+
+
+class _Recorder(BlockDrafter):
+    """Wraps a drafter; at the end, proposes from its incrementally built context for the final tokens."""
+
+    def __init__(self, inner: BlockDrafter, final_tokens: list[int]) -> None:
+        self.inner, self.final = inner, final_tokens
+        self.needs_hidden_layers = inner.needs_hidden_layers
+
+    def start(self, seq_id, prompt):
+        self.inner.start(seq_id, prompt)
+
+    def observe(self, seq_id, start, hidden):
+        self.inner.observe(seq_id, start, hidden)
+
+    def propose(self, requests):
+        return self.inner.propose(requests)
+
+    def accept(self, result):
+        self.inner.accept(result)
+
+    def finish(self, seq_id):
+        with torch.inference_mode():
+            req = DraftRequest(seq_id, self.final, 4, SamplingParams(), None)
+            self.inner.last = self.inner.propose([req])[0].tokens
+        self.inner.finish(seq_id)
+
+
+def test_confidence_is_a_probability_per_position(target):
+    drafter = BlockDrafter(make_block(target, head="markov", confidence=True), target, temperatures=[2.0, 0.5])
+    drafter.start(0, PROMPTS[0])
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([PROMPTS[0][:-1]]), hidden_layers=(1,))
+    drafter.observe(0, 0, {1: hidden[1][0]})
+    draft = drafter.propose([DraftRequest(0, PROMPTS[0], 3, SamplingParams(), None)])[0]
+    assert len(draft.tokens) == 3 and draft.confidence.shape == (3,)
+    assert ((draft.confidence > 0) & (draft.confidence < 1)).all()
+
+
+def test_checkpoint_round_trip_and_errors(tmp_path, target):
+    model = make_block(target, head="markov", confidence=True)
+    save_block_drafter(model, tmp_path / "d")
+    (tmp_path / "d" / "calibration.json").write_text(json.dumps({"sts_temperatures": [1.5, 1.0]}))
+    loaded = load_block_drafter(tmp_path / "d", target)
+    assert loaded.temperatures == [1.5, 1.0]
+    for (name, a), b in zip(model.state_dict().items(), loaded.model.state_dict().values()):
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=name)
+    assert isinstance(build_drafter(f"dspark:{tmp_path / 'd'}", target=target, dtype=torch.float32,
+                                    device=torch.device("cpu")), BlockDrafter)
+    save_block_drafter(make_block(target), tmp_path / "p")
+    with pytest.raises(CheckpointError, match="parallel block drafter"):
+        build_drafter(f"dspark:{tmp_path / 'p'}", target=target, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_block_drafter(tmp_path / "d", tiny_model(0, 0.2, hidden_size=32, head_dim=8))
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(Exception):  # safetensors' own error, never a pickle fallback
+        load_block_drafter(tmp_path / "d", target)
+    with pytest.raises(CheckpointError, match="not a block drafter"):
+        load_block_drafter(tmp_path / "missing", target)
+    with pytest.raises(ConfigError, match="Markov"):
+        BlockConfig(target_layers=(1,), head="none", confidence=True)
+
+
+N_STAT = 2000
+
+
+@pytest.fixture(scope="module")
+def stat_target():
+    return tiny_model(0, 0.25, vocab_size=SV, max_position_embeddings=16, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_block_drafter_samples_from_target(kind, stat_target):
+    """A5 through the engine with a random block drafter (q from the head, sampled left to right)."""
+    joints = exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)
+    drafter = BlockDrafter(make_block(stat_target, block_size=2, std=0.5, **KINDS[kind]), stat_target)
+    engine = Engine(stat_target, None, EngineConfig(k=2, drafter="b", max_running=250, max_queued=N_STAT),
+                    drafters={"b": drafter})
+    for i in range(N_STAT):
+        engine.add_request(S_PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i), request_id=str(i))
+    results = engine.run_until_done()
+    assert 0 < engine.metrics.num_accepted_tokens < engine.metrics.num_draft_tokens
+    samples = np.array([results[str(i)].token_ids for i in range(N_STAT)])
+    for cols, joint in (([0, 1], joints[0]), ([1, 2], joints[1])):
+        tv, pval, impossible = check_pair(samples[:, cols], joint)
+        assert tv < tv_limit(SV * SV, N_STAT) and pval > ALPHA and impossible == 0, (tv, pval)
