@@ -273,6 +273,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server over the batching engine")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
     p.add_argument("--drafter", default="ngram", help="default drafter spec for requests (none: plain)")
+    p.add_argument("--drafters", default="",
+                   help="comma-separated extra drafter specs requests may choose (e.g. model:zoo/drafter,ngram:2)")
     p.add_argument("--policy", default=EngineConfig.policy, choices=["off", "fixed", "batch-table", "dspark"])
     p.add_argument("--k", type=int, default=EngineConfig.k, help="draft length (fixed) / maximum (other policies)")
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
@@ -305,7 +307,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policy=args.policy, k=args.k, drafter=None if args.drafter == "none" else args.drafter,
     )
     state = build_state(args.target or default_target(), config, dtype=args.dtype, api_key=api_key,
-                        model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+                        model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                        drafters=tuple(d for d in args.drafters.split(",") if d))
     serve(state, args.host, args.port)
     return 0
 

@@ -9,6 +9,8 @@ Every route but /health needs the API key when one is set (constant-time compare
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -24,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import RequestSpec, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
-from verispec.errors import ConfigError, QueueFull
+from verispec.errors import QueueFull, VerispecError
 from verispec.model.tokenizer import Tokenizer
 from verispec.serve.chat import ChatTemplate
 from verispec.serve.metrics import render_metrics
@@ -39,6 +41,7 @@ from verispec.serve.protocol import (
 
 log = logging.getLogger("verispec.serve")
 PUBLIC_ROUTES = frozenset({"/health"})
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass
@@ -49,11 +52,27 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     chat: ChatTemplate = field(default_factory=ChatTemplate)
+    # Drafter specs requests may use (the engine's default is always one): a request names one of these, or a
+    # registry name (`model`) that matches exactly one. Never a path from the request: clients cannot make the
+    # server load files.
+    drafters: tuple[str, ...] = ()
     ready: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.plain = self.tokenizer.plain_text_copy()  # user text: special-token strings stay text
+        default = self.engine.engine.config.drafter
+        self.drafters = tuple(dict.fromkeys(([default] if default else []) + list(self.drafters)))
+
+    def resolve_drafter(self, requested: str | None) -> str | None:
+        if requested in (None, "none") or requested in self.drafters:
+            return requested
+        named = [d for d in self.drafters if d.partition(":")[0] == requested]
+        if len(named) == 1:
+            return named[0]
+        enabled = ", ".join(sorted({d.partition(":")[0] for d in self.drafters})) or "none"
+        raise APIError(400, f"the requested drafter is not enabled on this server (enabled: {enabled}; start the "
+                            "server with --drafters to enable more)", param="speculation")
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -207,7 +226,8 @@ def _prepare(state: ServerState, body: dict, chat: bool) -> tuple[list[int], Sam
     else:
         prompt_ids = completion_prompt(body, state.plain.encode, vocab)
     params = parse_sampling(body, len(prompt_ids), state.engine.engine.limit, vocab)
-    return prompt_ids, params, parse_speculation(body.get("speculation"))
+    spec = parse_speculation(body.get("speculation"))
+    return prompt_ids, params, dataclasses.replace(spec, drafter=state.resolve_drafter(spec.drafter))
 
 
 async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
@@ -218,9 +238,8 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         rid, queue = state.engine.submit(prompt_ids, params, spec, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-    except ConfigError as e:
-        param = "speculation" if "drafter" in str(e) else None
-        raise APIError(400, str(e), param=param) from None
+    except VerispecError as e:  # e.g. the request needs more KV cache than the engine's budget
+        raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     shape = _Shape(rid, state.model_name, chat, int(time.time()))
@@ -229,19 +248,31 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text, result = [], None
     outputs = state.engine.stream(rid, queue)
+    pending: asyncio.Task | None = None
+    last_check = time.monotonic()
     try:
         while result is None:
-            try:
-                out = await asyncio.wait_for(anext(outputs), timeout=0.5)
-            except asyncio.TimeoutError:
+            # One lasting task per output: waiting with a timeout must not cancel it (that would abort).
+            pending = pending or asyncio.ensure_future(anext(outputs))
+            done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+            if time.monotonic() - last_check >= DISCONNECT_POLL_S:  # also while tokens keep coming
+                last_check = time.monotonic()
                 if await request.is_disconnected():
                     return Response(status_code=499)  # the client is gone; closing `outputs` aborts
+            if not done:
                 continue
+            try:
+                out = pending.result()
             except RuntimeError as e:
                 raise APIError(500, str(e), type="server_error") from None
+            pending = None
             text.append(out.text)
             result = out.result
     finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, RuntimeError):
+                await pending
         await outputs.aclose()
     return JSONResponse(shape.full("".join(text), result.finish_reason, _usage(len(prompt_ids), result), result))
 

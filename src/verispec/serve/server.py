@@ -27,16 +27,19 @@ def is_loopback(host: str) -> bool:
 def build_state(
     target_dir: Path, config: EngineConfig, *, dtype: str = "bf16", api_key: str | None = None,
     model_name: str | None = None, max_body_bytes: int = 4 << 20, context_limit: int | None = None,
+    drafters: tuple[str, ...] = (),
 ) -> ServerState:
+    """`drafters`: specs requests may choose besides the engine's default (built now, so a bad one fails at
+    startup)."""
     target = load_model(target_dir, dtype=dtype)
     target.source_dir = target_dir
     tokenizer = Tokenizer.from_dir(target_dir)
     engine = Engine(target, tokenizer, config, context_limit=context_limit)
-    if config.drafter:
-        engine.drafter(config.drafter)  # a bad default drafter fails at startup, not on the first request
+    for spec in ([config.drafter] if config.drafter else []) + list(drafters):
+        engine.drafter(spec)  # a bad drafter fails at startup, not on the first request
     return ServerState(
         engine=AsyncEngine(engine).start(), tokenizer=tokenizer, model_name=model_name or Path(target_dir).name,
-        api_key=api_key, max_body_bytes=max_body_bytes, chat=ChatTemplate.from_dir(target_dir),
+        api_key=api_key, max_body_bytes=max_body_bytes, chat=ChatTemplate.from_dir(target_dir), drafters=drafters,
     )
 
 
