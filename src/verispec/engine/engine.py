@@ -245,7 +245,10 @@ class Engine:
 
     def _budget(self, req: Request, num_decoding: int) -> int:
         """The most draft tokens this request may propose this step (never past max_tokens or the context)."""
-        k = {"off": 0, "fixed": req.k, "dspark": req.k, "batch-table": min(req.k, self.config.table_k(num_decoding))}
+        # dspark drafts at most two past what it verified last round: drafting positions the scheduler is sure to
+        # cut costs a draft model real forwards (the production variant sizes the budget from earlier steps too).
+        k = {"off": 0, "fixed": req.k, "dspark": min(req.k, req.last_verified + 2),
+             "batch-table": min(req.k, self.config.table_k(num_decoding))}
         n = len(req.tokens)
         return max(0, min(k[req.policy], req.params.max_tokens - len(req.stopper.output) - 1, self.limit - n - 1))
 
@@ -337,6 +340,7 @@ class Engine:
             lambda b: prof.step_time(b, requests),
         )
         for rnd, n in zip(sched, lengths):
+            rnd.req.last_verified = n
             d = rnd.draft
             rnd.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n],
                               None if d.confidence is None else d.confidence[:n])
