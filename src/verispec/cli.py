@@ -209,15 +209,24 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     t.set_defaults(func=cmd_train_target)
 
+    from verispec.train.block import BlockTrainConfig
     from verispec.train.drafter import DRAFT_TRAIN
+    from verispec.train.losses import LOSSES
 
     d = what.add_parser("drafter", help="distill the draft model from the target's continuations (resumable)")
     d.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
     d.add_argument("--data-dir", type=Path, default=Path("data"))
     d.add_argument("--doc-dir", type=Path, default=None)
-    d.add_argument("--out", type=Path, default=Path("data/runs/drafter"))
-    d.add_argument("--zoo-dir", type=Path, default=Path("zoo/drafter"))
-    d.add_argument("--max-steps", type=int, default=DRAFT_TRAIN.max_steps)
+    d.add_argument("--kind", default="model", choices=["model", "block", "dspark"],
+                   help="model: a small causal LM; block: parallel block drafter (DFlash); dspark: block drafter "
+                        "with the Markov head and the confidence head")
+    d.add_argument("--loss", default=None, choices=list(LOSSES),
+                   help="block drafters' loss (default: dspark for --kind dspark, ce+decay for block)")
+    d.add_argument("--block-size", type=int, default=BlockTrainConfig.block_size)
+    d.add_argument("--out", type=Path, default=None, help="run directory (default: data/runs/KIND)")
+    d.add_argument("--zoo-dir", type=Path, default=None, help="where the finished drafter ships (default: zoo/KIND)")
+    d.add_argument("--max-steps", type=int, default=None)
+    d.add_argument("--stop-at", type=int, default=None, help="block kinds: checkpoint and exit at this step")
     d.add_argument("--num-sequences", type=int, default=1536, help="target continuations to distill from")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_train_drafter)
@@ -234,12 +243,18 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prepare_data(args.data_dir, args.doc_dir)
-    cfg = replace(DRAFT_TRAIN, max_steps=args.max_steps)
     target = args.target or default_target()
-    train_drafter(target, args.data_dir / "tokens", args.out, cfg, num_sequences=args.num_sequences)
-    summary = finalize(args.out, args.data_dir, args.zoo_dir, name="drafter", role="draft model",
+    out = args.out or args.data_dir / "runs" / ("drafter" if args.kind == "model" else args.kind)
+    zoo_dir = args.zoo_dir or Path("zoo") / ("drafter" if args.kind == "model" else args.kind)
+    if args.kind != "model":
+        from verispec.train.block_recipe import train_block_recipe
+
+        return train_block_recipe(args, target, out, zoo_dir)
+    cfg = replace(DRAFT_TRAIN, max_steps=args.max_steps or DRAFT_TRAIN.max_steps)
+    train_drafter(target, args.data_dir / "tokens", out, cfg, num_sequences=args.num_sequences)
+    summary = finalize(out, args.data_dir, zoo_dir, name="drafter", role="draft model",
                        method=DRAFTER_METHOD, recipe="verispec train drafter")
-    print(f"saved {args.zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
+    print(f"saved {zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
     return 0
 
 
@@ -342,6 +357,47 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit STS temperatures of a dspark drafter's confidence head")
+    p.add_argument("drafter", type=Path, help="dspark drafter directory (calibration.json is written there)")
+    p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
+    p.add_argument("--data-dir", type=Path, default=Path("data"), help="held-out prompts come from data/tokens/val.bin")
+    p.add_argument("--prompts", type=int, default=48, help="held-out prompts to decode")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from verispec.api import set_threads
+    from verispec.drafters.block import load_block_drafter
+    from verispec.drafters.calibration import calibrate
+    from verispec.model.checkpoint import load_model
+    from verispec.train.data import TokenWindows
+    from verispec.zoo import default_target
+
+    set_threads(args.threads)
+    target_dir = args.target or default_target()
+    target = load_model(target_dir, dtype=args.dtype)
+    drafter = load_block_drafter(args.drafter, target)
+    if drafter.model.config.head != "markov" or not drafter.model.config.confidence:
+        raise VerispecError(f"{args.drafter} has no confidence head to calibrate")
+    val = args.data_dir / "tokens" / "val.bin"
+    if not val.is_file():
+        raise VerispecError(f"no held-out tokens at {val}: run `verispec train target` first (it prepares the data)")
+    inputs, targets = TokenWindows(val, 127, seed=3).batch(0, args.prompts)
+    prompts = [row.tolist() + [int(t[-1])] for row, t in zip(inputs, targets)]
+    result = calibrate(drafter, prompts, args.drafter, args.max_tokens)
+    for j, (b, a, t, n) in enumerate(zip(result.ece_before, result.ece_after, result.temperatures, result.rounds), 1):
+        print(f"  position {j}: ECE {b:.4f} -> {a:.4f}  (T {t:.2f}, {n} rounds)")
+    print(f"mean ECE {np.nanmean(result.ece_before):.4f} -> {np.nanmean(result.ece_after):.4f}; "
+          f"wrote {args.drafter / 'calibration.json'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -350,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_serve(sub)
     _add_profile(sub)
+    _add_calibrate(sub)
     return parser
 
 

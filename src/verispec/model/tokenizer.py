@@ -54,6 +54,12 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def token_id(self, token: str) -> int:
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise CheckpointError(f"the tokenizer has no token {token!r}")
+        return tid
+
     def special_tokens(self) -> list[str]:
         return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
 
