@@ -44,7 +44,8 @@ def plain(target):
     return [decode(target, p, GREEDY).token_ids for p in PROMPTS]
 
 
-KINDS = {"parallel": dict(head="none"), "dspark": dict(head="markov", confidence=True)}
+KINDS = {"parallel": dict(head="none"), "dspark": dict(head="markov", confidence=True),
+         "parallel+confidence": dict(head="none", confidence=True)}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -148,8 +149,8 @@ def test_checkpoint_round_trip_and_errors(tmp_path, target):
         load_block_drafter(tmp_path / "d", target)
     with pytest.raises(CheckpointError, match="not a block drafter"):
         load_block_drafter(tmp_path / "missing", target)
-    with pytest.raises(ConfigError, match="Markov"):
-        BlockConfig(target_layers=(1,), head="none", confidence=True)
+    with pytest.raises(ConfigError, match="head"):
+        BlockConfig(target_layers=(1,), head="rnn")
 
 
 N_STAT = 2000

@@ -383,7 +383,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target_dir = args.target or default_target()
     target = load_model(target_dir, dtype=args.dtype)
     drafter = load_block_drafter(args.drafter, target)
-    if drafter.model.config.head != "markov" or not drafter.model.config.confidence:
+    if not drafter.model.config.confidence:
         raise VerispecError(f"{args.drafter} has no confidence head to calibrate")
     val = args.data_dir / "tokens" / "val.bin"
     if not val.is_file():

@@ -12,7 +12,7 @@ Heads on top of the block logits U_k:
 - markov (DSpark): q_k = softmax(U_k + W2 W1[x_{k-1}]), x_0 = the anchor: sampled left to right, so each q_k
   is exact for the token actually drawn.
 - confidence (DSpark): c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]), P(x_k accepted | x_1..x_{k-1} accepted), known
-  before x_k is drawn.
+  before x_k is drawn. A parallel drafter may carry one too (the ablation compares heads under the same loss).
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ class BlockConfig:
         object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
         if self.head not in HEADS:
             raise ConfigError(f"block head must be one of {HEADS}, got {self.head!r}")
-        if self.confidence and self.head != "markov":
-            raise ConfigError("the confidence head reuses the Markov embedding: it needs head='markov'")
         if self.block_size < 1 or self.num_layers < 1 or not self.target_layers:
             raise ConfigError("block_size, num_layers and target_layers must be positive / non-empty")
 
@@ -106,8 +104,9 @@ class BlockDraftModel(nn.Module):
         self.layers = nn.ModuleList(_BlockLayer(target_cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, target_cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(target_cfg)
+        if cfg.head == "markov" or cfg.confidence:  # W1: the confidence head reads it too
+            self.markov_in = nn.Embedding(target_cfg.vocab_size, cfg.markov_rank)
         if cfg.head == "markov":
-            self.markov_in = nn.Embedding(target_cfg.vocab_size, cfg.markov_rank)  # W1
             self.markov_out = nn.Linear(cfg.markov_rank, target_cfg.vocab_size, bias=False)  # W2
             nn.init.zeros_(self.markov_out.weight)  # starts as the parallel drafter
         if cfg.confidence:

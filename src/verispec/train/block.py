@@ -48,15 +48,13 @@ class BlockTrainConfig:
             raise ValueError(f"kind must be block or dspark, got {self.kind!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.loss == "dspark" and self.kind != "dspark":
-            raise ValueError("the dspark loss trains the confidence head: use --kind dspark")
         object.__setattr__(self, "target_layers", tuple(self.target_layers))
 
     def block_config(self, mask_token_id: int) -> BlockConfig:
-        dspark = self.kind == "dspark"
+        # The dspark loss trains a confidence head, so a parallel drafter trained with it gets one too.
         return BlockConfig(target_layers=self.target_layers, block_size=self.block_size, num_layers=self.num_layers,
-                           head="markov" if dspark else "none", markov_rank=self.markov_rank, confidence=dspark,
-                           mask_token_id=mask_token_id)
+                           head="markov" if self.kind == "dspark" else "none", markov_rank=self.markov_rank,
+                           confidence=self.kind == "dspark" or self.loss == "dspark", mask_token_id=mask_token_id)
 
 
 @dataclass
@@ -95,11 +93,11 @@ def block_forward(
     h = model.block_hidden(target.model.embed_tokens, blocks.anchors, blocks.anchor_pos, ctx, ctx_mask)
     logits = target.lm_head(h.to(target.dtype)).float()
     confidence = None
+    prev = torch.cat([blocks.anchors[:, None], blocks.labels[:, :-1]], dim=1)  # teacher forcing
     if model.config.head == "markov":
-        prev = torch.cat([blocks.anchors[:, None], blocks.labels[:, :-1]], dim=1)  # teacher forcing
         logits = logits + model.markov_bias(prev).float()
-        if model.config.confidence:
-            confidence = torch.sigmoid(model.confidence_logit(h, prev).float())
+    if model.config.confidence:
+        confidence = torch.sigmoid(model.confidence_logit(h, prev).float())
     return logits, confidence, h
 
 
