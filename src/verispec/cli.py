@@ -100,10 +100,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from verispec.bench.suite import BenchConfig
 
     p = sub.add_parser("bench", help="benchmarks: side by side, medians over repeats")
-    p.add_argument("suite", nargs="?", default="tasks", choices=["tasks", "core", "serve"],
+    p.add_argument("suite", nargs="?", default="tasks", choices=["tasks", "core", "serve", "ablation"],
                    help="tasks (default): every drafter x k on the task prompt sets, with HF baselines; "
                         "core: plain decoding vs HF generate on a random 49M model, ngram, per-forward cost; "
-                        "serve: load against the engine per verification policy and drafter")
+                        "serve: load against the engine per verification policy and drafter; "
+                        "ablation: block-drafter losses and heads trained on the same budget")
     p.add_argument("--quick", action="store_true", help="a few prompts, k=4, 48 tokens: minutes, not half an hour")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
     p.add_argument("--methods", default=None,
@@ -125,6 +126,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafters", default=None, help="serve suite: comma-separated drafter specs (default: ngram "
                                                     "and the zoo's draft model)")
     p.add_argument("--poisson", default=None, help="serve suite: comma-separated open-loop request rates (req/s)")
+    p.add_argument("--steps", type=int, default=150, help="ablation suite: training steps per arm")
+    p.add_argument("--arms", default=None, help="ablation suite: comma-separated subset of the arms")
     p.set_defaults(func=cmd_bench)
 
 
@@ -135,6 +138,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return core.main(args.out, args.repeats or 5, args.new_tokens, args.threads, args.cache_dir)
     if args.suite == "serve":
         return _bench_serve(args)
+    if args.suite == "ablation":
+        return _bench_ablation(args)
     import torch
 
     from verispec.bench.suite import BenchConfig, run
@@ -158,6 +163,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     print(summary_markdown(report))
     print(f"wrote {args.out}/results.json, summary.md, speedup.png, acceptance.png")
+    return 0
+
+
+def _bench_ablation(args: argparse.Namespace) -> int:
+    from verispec.api import set_threads
+    from verispec.bench.ablation import ARMS, AblationConfig, run
+    from verispec.zoo import default_target
+
+    set_threads(args.threads)
+    cfg = AblationConfig(args.target or default_target(), steps=args.steps, dtype=args.dtype)
+    arms = tuple(a for a in ARMS if not args.arms or a.name in args.arms.split(","))
+    report = run(cfg, args.out, arms)
+    for c in report["claims"]:
+        print(f"claim: {c['claim']}: {'holds' if c['holds'] else 'does not hold'}")
+    print(f"wrote {args.out}/ablation.json, ablation.md and PNGs")
     return 0
 
 

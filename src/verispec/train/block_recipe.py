@@ -19,13 +19,17 @@ from verispec.train.drafter import target_continuations
 MASK_TOKEN = "<|mask|>"
 
 
-def continuations_file(target: Path, runs: Path, split: str) -> Path:
-    """Continuations depend on the target's weights: key the cache file by a fingerprint of them."""
+def target_fingerprint(target: Path) -> str:
+    """Continuations and drafters trained on them depend on the target's weights: key their files by these."""
     weights = target / "model.safetensors"
     h = hashlib.sha256(str(weights.stat().st_size).encode())
     with weights.open("rb") as f:
         h.update(f.read(1 << 20))
-    return runs / f"continuations-{split}-{h.hexdigest()[:12]}.u16"
+    return h.hexdigest()[:12]
+
+
+def continuations_file(target: Path, runs: Path, split: str) -> Path:
+    return runs / f"continuations-{split}-{target_fingerprint(target)}.u16"
 
 
 @torch.no_grad()
