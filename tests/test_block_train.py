@@ -50,7 +50,7 @@ def test_anchors_and_labels():
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_every_loss_trains(loss, setup, tmp_path):
-    path, target, seqs = setup
+    path, _, seqs = setup
     kind = "dspark" if loss == "dspark" else "block"
     model = train_block_drafter(path / "target", seqs, tmp_path / loss, cfg(kind=kind, loss=loss), 3, progress=False)
     import json

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from _drafters import CorruptedOracle
+from _markov import tv_limit
 from conftest import tiny_model
 from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair_joints
-from _markov import tv_limit
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
 from verispec.decode import decode
@@ -225,9 +225,9 @@ def test_stops_inside_the_batch(target, other, plain):
 
 def test_dspark_lengths_follow_survival_and_stop_early():
     """Positions are admitted in survival order while tau * SPS(B) grows; the first that does not stops it."""
-    flat = lambda b: 1.0  # noqa: E731  (verification is free: admit everything with survival > 0)
+    flat = lambda b: 1.0
     assert dspark_lengths([[0.9, 0.5], [0.8, 0.0]], 2, 2.0, flat) == [2, 1]
-    steep = lambda b: 1.0 + 0.3 * (b - 2)  # noqa: E731
+    steep = lambda b: 1.0 + 0.3 * (b - 2)
     # tau/time: base 2/1; +0.9 -> 2.9/1.3 = 2.23 (keep); +0.8 -> 3.7/1.6 = 2.31 (keep); +0.5 -> 4.2/1.9 = 2.21 stop
     assert dspark_lengths([[0.9, 0.5], [0.8, 0.1]], 2, 2.0, steep) == [1, 1]
     # Early stop, not a global argmax: a later, larger gain is never reached once one admission does not pay.

@@ -230,7 +230,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train_target)
 
     from verispec.train.block import BlockTrainConfig
-    from verispec.train.drafter import DRAFT_TRAIN
     from verispec.train.losses import LOSSES
 
     d = what.add_parser("drafter", help="distill the draft model from the target's continuations (resumable)")

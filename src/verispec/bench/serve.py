@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
-from verispec.config import EngineConfig, RequestSpec, SamplingParams
+from verispec.config import EngineConfig, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
 from verispec.engine.profile import StepProfile, load_or_measure

@@ -198,7 +198,7 @@ async def _warm_up(state: ServerState) -> None:
         async for out in state.engine.generate(prompt, SamplingParams(max_tokens=1), RequestSpec(drafter="none")):
             if out.finished:
                 state.ready = True
-    except Exception:  # noqa: BLE001  (stays not ready; /ready reports it)
+    except Exception:  # stays not ready; /ready reports it
         log.exception("warm-up generation failed")
 
 

@@ -67,8 +67,11 @@ DRAFTER_METHOD = ("Distilled from the target: next-token cross-entropy on the ta
 
 
 def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str, method: str = TARGET_METHOD,
-             recipe: str = "verispec train target") -> dict:
-    """Copy run_dir/model (bf16) and the tokenizer into zoo_dir, with loss.png and a README model card."""
+             recipe: str = "verispec train target", earlier: dict | None = None) -> dict:
+    """Copy run_dir/model (bf16) and the tokenizer into zoo_dir, with loss.png and a README model card.
+
+    `earlier`: the training summary of the run this one warm-started from (a second stage): the card and the
+    summary then report both stages and their totals."""
     zoo_dir.mkdir(parents=True, exist_ok=True)
     for f in (run_dir / "model").iterdir():
         shutil.copy2(f, zoo_dir / f.name)
