@@ -37,3 +37,30 @@ def test_bench_output_schema(checkpoint_dir, tmp_path):
     for name in ("summary.md", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0
     assert "| code_completion | ngram | 2 |" in (out / "summary.md").read_text()
+
+
+def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
+    """`verispec bench serve` at toy scale: one record per arm x load with the documented fields, the goals
+    computed from them, and the summary and Pareto plot written."""
+    import json
+
+    from verispec.bench.serve import ServeBenchConfig, per_user_at, run
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
+                           min_requests=2, max_tokens=6, max_prompt_tokens=20, dtype="fp32",
+                           poisson_rates=(50.0,), poisson_requests=3)
+    report = run(cfg, tmp_path / "out", progress=False)
+    names = {r["arm"] for r in report["results"]}
+    assert names == {"off", "fixed-1/ngram", "fixed-3/ngram", "batch-table/ngram", "dspark/ngram"}
+    assert len(report["results"]) == 5 * 3
+    for r in report["results"]:
+        assert r["aggregate_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
+        assert set(r["ttft_s"]) == {"p50", "p90", "p99"} and r["requests"] >= 2
+    assert {g["goal"].split(" (")[0] for g in report["goals"]} >= {
+        "dspark >= 1.5x per-user speed of fixed k=1 at matched aggregate"}
+    saved = json.loads((tmp_path / "out" / "serve_results.json").read_text())
+    assert saved["results"] == report["results"]
+    assert (tmp_path / "out" / "serve_pareto.png").stat().st_size > 0
+    assert "| arm |" in (tmp_path / "out" / "serve_summary.md").read_text()
+    assert per_user_at([(1.0, 10.0), (3.0, 5.0)], 2.0) == 7.5 and per_user_at([(1.0, 10.0)], 2.0) is None
