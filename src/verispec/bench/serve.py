@@ -23,7 +23,7 @@ from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
 from verispec.config import EngineConfig, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
-from verispec.engine.profile import StepProfile, load_or_measure
+from verispec.engine.profile import StepProfile, load_or_measure, plot_profile
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
 
@@ -45,7 +45,7 @@ class ServeBenchConfig:
     requests_per_client: int = 2
     min_requests: int = 6
     max_tokens: int = 64
-    poisson_rates: tuple[float, ...] = ()
+    poisson_rates: tuple[float, ...] = (4.0,)
     poisson_requests: int = 24
     dtype: str = "bf16"
     max_prompt_tokens: int = 384
@@ -53,7 +53,7 @@ class ServeBenchConfig:
 
     @classmethod
     def quick(cls, target: Path, **kw) -> ServeBenchConfig:
-        base = dict(concurrency=(1, 4, 16), requests_per_client=1, min_requests=4, max_tokens=32)
+        base = dict(concurrency=(1, 4, 16), requests_per_client=1, min_requests=4, max_tokens=32, poisson_rates=())
         base.update(kw)
         return cls(target, **base)
 
@@ -212,6 +212,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     (out / "serve_results.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "serve_summary.md").write_text(summary_markdown(report))
     plot(report, out / "serve_pareto.png")
+    plot_profile(profile, out / "profile.png")
     return report
 
 
@@ -281,6 +282,7 @@ def summary_markdown(report: dict) -> str:
     lines += ["", "## Step-time profile (SPS)", "", "| tokens per step | ms |", "|---|---|"]
     lines += [f"| {b} | {s * 1e3:.2f} |" for b, s in zip(p["tokens"], p["seconds"])]
     lines.append(f"\nEach request beyond the first adds {p['per_request_s'] * 1e3:.2f} ms per step.")
+    lines += ["", "![per-user vs aggregate](serve_pareto.png)", "", "![step-time profile](profile.png)"]
     return "\n".join(lines) + "\n"
 
 
