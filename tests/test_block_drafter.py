@@ -176,3 +176,22 @@ def test_block_drafter_samples_from_target(kind, stat_target):
     for cols, joint in (([0, 1], joints[0]), ([1, 2], joints[1])):
         tv, pval, impossible = check_pair(samples[:, cols], joint)
         assert tv < tv_limit(SV * SV, N_STAT) and pval > ALPHA and impossible == 0, (tv, pval)
+
+
+def test_batched_proposals_equal_one_at_a_time(target):
+    """Contexts of different lengths padded and masked in one block forward: each request's draft (tokens and
+    confidences) equals its draft proposed alone."""
+    drafter = BlockDrafter(make_block(target, head="markov", confidence=True), target)
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        drafter.start(i, p)
+        if len(p) > 1:
+            with torch.inference_mode():
+                _, hidden = target(torch.tensor([p[:-1]]), hidden_layers=(1,))
+            drafter.observe(i, 0, {1: hidden[1][0]})
+        reqs.append(DraftRequest(i, p, 4 - i, SamplingParams(), None))
+    together = drafter.propose(reqs)
+    for r, d in zip(reqs, together):
+        alone = drafter.propose([r])[0]
+        assert d.tokens == alone.tokens and len(d.tokens) == r.budget
+        torch.testing.assert_close(d.confidence, alone.confidence, rtol=1e-5, atol=1e-6)

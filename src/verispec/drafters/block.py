@@ -57,44 +57,62 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [self._propose_one(r) for r in requests]
+        """One block forward for all requests (contexts padded to the longest and masked), then the head loop."""
+        cfg = self.model.config
+        budgets = [min(r.budget, cfg.block_size) for r in requests]
+        live = [i for i, b in enumerate(budgets) if b > 0]
+        drafts = [EMPTY_DRAFT] * len(requests)
+        if not live:
+            return drafts
+        device = self.target.device
+        pos = [len(requests[i].tokens) - 1 for i in live]  # anchor positions
+        for i, p in zip(live, pos):
+            if self._ctx[requests[i].seq_id].length != p:
+                raise RuntimeError(f"block drafter context holds {self._ctx[requests[i].seq_id].length} positions, "
+                                   f"the anchor is at {p}")
+        width = max(pos)
+        caches = [self._ctx[requests[i].seq_id] for i in live]
+        ctx = [(torch.cat([c.k[layer, :, :, :width] for c in caches]), torch.cat([c.v[layer, :, :, :width] for c in caches]))
+               for layer in range(cfg.num_layers)]  # per layer [R, Hkv, width, D]
+        anchor_pos = torch.tensor(pos, device=device)
+        mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
+        anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
+        h = self.model.block_hidden(self.target.model.embed_tokens, anchors, anchor_pos, ctx, mask)  # [R, G, d]
+        base = self.target.lm_head(h.to(self.target.dtype)).float()  # [R, G, V] the block logits U
+        tokens: list[list[int]] = [[] for _ in live]
+        rows: list[list[torch.Tensor]] = [[] for _ in live]
+        conf: list[list[torch.Tensor]] = [[] for _ in live]
+        prev = anchors
+        for j in range(max(budgets[i] for i in live)):
+            logits = base[:, j]
+            if cfg.head == "markov":
+                logits = logits + self.model.markov_bias(prev).float()
+            c = None
+            if cfg.confidence:  # from h_j and x_{j-1} only: never from the token about to be drawn
+                c = torch.sigmoid(self.model.confidence_logit(h[:, j], prev).float() / self._temperature(j))
+            nxt = prev.clone()
+            for row, i in enumerate(live):
+                r = requests[i]
+                if j >= budgets[i]:
+                    continue
+                if r.params.greedy:
+                    tok = int(logits[row].argmax())
+                else:
+                    q = probs_for(logits[row], r.params)
+                    tok = int(sample(q, r.generator))
+                    rows[row].append(q)
+                if c is not None:
+                    conf[row].append(c[row])
+                tokens[row].append(tok)
+                nxt[row] = tok
+            prev = nxt
+        for row, i in enumerate(live):
+            drafts[i] = Draft(tokens[row], torch.stack(rows[row]) if rows[row] else None,
+                              torch.stack(conf[row]) if conf[row] else None)
+        return drafts
 
     def _temperature(self, j: int) -> float:
         return self.temperatures[j] if j < len(self.temperatures) else 1.0
-
-    def _propose_one(self, r: DraftRequest) -> Draft:
-        cfg = self.model.config
-        budget = min(r.budget, cfg.block_size)
-        if budget <= 0:
-            return EMPTY_DRAFT
-        cache = self._ctx[r.seq_id]
-        anchor_pos = len(r.tokens) - 1
-        if cache.length != anchor_pos:
-            raise RuntimeError(f"block drafter context holds {cache.length} positions, the anchor is at {anchor_pos}")
-        device = self.target.device
-        ctx = [(cache.k[i, :, :, :anchor_pos], cache.v[i, :, :, :anchor_pos]) for i in range(cfg.num_layers)]
-        h = self.model.block_hidden(self.target.model.embed_tokens, torch.tensor([r.tokens[-1]], device=device),
-                                    torch.tensor([anchor_pos], device=device), ctx)[0]  # [G, d]
-        base = self.target.lm_head(h.to(self.target.dtype)).float()  # [G, V] the block logits U
-        tokens, rows, conf = [], [], []
-        prev = r.tokens[-1]
-        for j in range(budget):
-            logits = base[j]
-            prev_t = torch.tensor(prev, device=device)
-            if cfg.head == "markov":
-                logits = logits + self.model.markov_bias(prev_t).float()
-            if cfg.confidence:  # from h_j and x_{j-1} only: never from the token about to be drawn
-                logit = self.model.confidence_logit(h[j], prev_t).float()
-                conf.append(torch.sigmoid(logit / self._temperature(j)))
-            if r.params.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = probs_for(logits, r.params)
-                tok = int(sample(q, r.generator))
-                rows.append(q)
-            tokens.append(tok)
-            prev = tok
-        return Draft(tokens, torch.stack(rows) if rows else None, torch.stack(conf) if conf else None)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
