@@ -123,8 +123,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="core suite: tokens per generation")
     p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help="core suite: random checkpoints")
     p.add_argument("--concurrency", default=None, help="serve suite: comma-separated client counts")
-    p.add_argument("--drafters", default=None, help="serve suite: comma-separated drafter specs (default: ngram "
-                                                    "and the zoo's draft model)")
+    p.add_argument("--drafters", default=None, help="serve suite: comma-separated drafter specs (default: ngram, "
+                                                    "the zoo's draft model and its dspark drafter)")
     p.add_argument("--poisson", default=None, help="serve suite: comma-separated open-loop request rates (req/s)")
     p.add_argument("--steps", type=int, default=150, help="ablation suite: training steps per arm")
     p.add_argument("--arms", default=None, help="ablation suite: comma-separated subset of the arms")
@@ -187,8 +187,11 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from verispec.zoo import default_drafter_spec, default_target
 
     set_threads(args.threads)
+    from verispec.drafters import BENCH_SPECS
+    from verispec.zoo import zoo_dir
+
     drafters = tuple(args.drafters.split(",")) if args.drafters else tuple(
-        d for d in ("ngram", default_drafter_spec()) if d)
+        d for d in ("ngram", default_drafter_spec(), BENCH_SPECS["dspark"](zoo_dir())) if d)
     overrides = {
         "drafters": drafters, "dtype": args.dtype,
         "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
