@@ -58,3 +58,22 @@ def test_zoo_drafter_is_small_and_exact(target):
     spec_out = decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=4))
     assert spec_out.token_ids == plain.token_ids
     assert spec_out.stats.acceptance_rate > 0.2  # distilled to agree with the target
+
+
+@pytest.mark.parametrize("kind", ["block", "dspark"])
+def test_zoo_block_drafters_load_and_are_exact(kind, target):
+    """The shipped block drafters load for the zoo target and speculate exactly (fp32 greedy)."""
+    drafter = build_drafter(f"{kind}:{zoo_dir() / kind}", target=target, dtype=torch.float32, device=target.device)
+    assert (drafter.model.config.head == "markov") == (kind == "dspark")
+    tok = Tokenizer.from_dir(default_target())
+    prompt = tok.encode("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = decode(target, prompt, params)
+    out = decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=8))
+    assert out.token_ids == plain.token_ids and out.stats.num_drafts > 0
+
+
+def test_zoo_fits_the_size_budget():
+    """About 100 MB at most for the whole zoo (issue 3)."""
+    total = sum(f.stat().st_size for f in zoo_dir().rglob("*") if f.is_file())
+    assert total <= 100 * 2**20, total / 2**20
