@@ -641,9 +641,12 @@ def test_body_too_large_default_limit(client):
     big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
     try:
         r = client.post(C, content=big, headers={"Content-Type": "application/json"})
-    except httpx.TransportError:  # the server may close before the whole body is sent; then no status to check
-        pytest.skip("connection closed while sending the body")
-    assert_error(r, 413, code="body_too_large")
+    except httpx.TransportError:  # the server may answer 413 and close before the whole body is sent
+        r = None
+    if r is not None:
+        assert_error(r, 413, code="body_too_large")
+    ok = client.post(C, json=completion_body(max_tokens=2))  # either way the server is still up
+    assert ok.status_code == 200, ok.text
 
 
 def test_body_too_large_small_limit(open_srv):
