@@ -195,3 +195,18 @@ def test_batched_proposals_equal_one_at_a_time(target):
         alone = drafter.propose([r])[0]
         assert d.tokens == alone.tokens and len(d.tokens) == r.budget
         torch.testing.assert_close(d.confidence, alone.confidence, rtol=1e-5, atol=1e-6)
+
+
+def test_lm_head_runs_only_on_drafted_positions(target):
+    """A round's cost: the shared LM head sees the positions some request drafts, not the whole block."""
+    drafter = BlockDrafter(make_block(target, head="markov", confidence=True, block_size=8), target)
+    rows = []
+    hook = target.lm_head.register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape[:-1]))
+    try:
+        for i, budget in enumerate((1, 3)):
+            drafter.start(i, [7])
+            draft = drafter.propose([DraftRequest(i, [7], budget, SamplingParams(), None)])[0]
+            assert len(draft.tokens) == budget and len(draft.confidence) == budget
+    finally:
+        hook.remove()
+    assert rows == [torch.Size([1, 1]), torch.Size([1, 3])]

@@ -250,6 +250,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-steps", type=int, default=None)
     d.add_argument("--stop-at", type=int, default=None, help="block kinds: checkpoint and exit at this step")
     d.add_argument("--num-sequences", type=int, default=1536, help="target continuations to distill from")
+    d.add_argument("--anchors", type=int, default=None, help="block kinds: random anchors per sequence per step")
+    d.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"],
+                   help="block kinds: the frozen target's compute dtype (fp32 is faster on CPUs without native bf16)")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_train_drafter)
 

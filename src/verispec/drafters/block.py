@@ -72,18 +72,20 @@ class BlockDrafter(Drafter):
                                    f"the anchor is at {p}")
         width = max(pos)
         caches = [self._ctx[requests[i].seq_id] for i in live]
-        ctx = [(torch.cat([c.k[layer, :, :, :width] for c in caches]), torch.cat([c.v[layer, :, :, :width] for c in caches]))
+        ctx = [(_rows([c.k[layer, :, :, :width] for c in caches]), _rows([c.v[layer, :, :, :width] for c in caches]))
                for layer in range(cfg.num_layers)]  # per layer [R, Hkv, width, D]
         anchor_pos = torch.tensor(pos, device=device)
         mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
         anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
         h = self.model.block_hidden(self.target.model.embed_tokens, anchors, anchor_pos, ctx, mask)  # [R, G, d]
-        base = self.target.lm_head(h.to(self.target.dtype)).float()  # [R, G, V] the block logits U
+        # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
+        span = max(budgets[i] for i in live)
+        base = self.target.lm_head(h[:, :span].to(self.target.dtype)).float()  # [R, span, V] the block logits U
         tokens: list[list[int]] = [[] for _ in live]
         rows: list[list[torch.Tensor]] = [[] for _ in live]
         conf: list[list[torch.Tensor]] = [[] for _ in live]
         prev = anchors
-        for j in range(max(budgets[i] for i in live)):
+        for j in range(span):
             logits = base[:, j]
             if cfg.head == "markov":
                 logits = logits + self.model.markov_bias(prev).float()
@@ -113,6 +115,11 @@ class BlockDrafter(Drafter):
 
     def _temperature(self, j: int) -> float:
         return self.temperatures[j] if j < len(self.temperatures) else 1.0
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-request rows; a single request's cache slice is used as is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------

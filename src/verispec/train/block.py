@@ -42,8 +42,13 @@ class BlockTrainConfig:
     gamma: float = 4.0  # decay-weight length scale (DFlash/DSpark)
     checkpoint_every_s: float = 300.0
     seed: int = 0
+    # The frozen target's compute dtype. bf16 matches serving; fp32 is the fast choice on CPUs without native
+    # bf16 matmuls (several times faster there), at the cost of rare near-tie differences in the continuations.
+    target_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.target_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"target_dtype must be fp32 or bf16, got {self.target_dtype!r}")
         if self.kind not in ("block", "dspark"):
             raise ValueError(f"kind must be block or dspark, got {self.kind!r}")
         if self.loss not in LOSSES:
@@ -124,7 +129,7 @@ def train_block_drafter(
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    target = load_model(target_dir, dtype="bf16").eval()
+    target = load_model(target_dir, dtype=cfg.target_dtype).eval()
     for p in target.parameters():
         p.requires_grad_(False)
     model = BlockDraftModel(target.config, cfg.block_config(mask_token_id))

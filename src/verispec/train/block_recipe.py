@@ -28,14 +28,15 @@ def target_fingerprint(target: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def continuations_file(target: Path, runs: Path, split: str) -> Path:
-    return runs / f"continuations-{split}-{target_fingerprint(target)}.u16"
+def continuations_file(target: Path, runs: Path, split: str, dtype: str = "bf16") -> Path:
+    suffix = "" if dtype == "bf16" else f"-{dtype}"  # greedy continuations differ (rarely) between dtypes
+    return runs / f"continuations-{split}-{target_fingerprint(target)}{suffix}.u16"
 
 
 @torch.no_grad()
 def evaluate(model, target_dir: Path, sequences: np.ndarray, cfg: BlockTrainConfig, batches: int = 8) -> dict:
     """Held-out block accuracy, greedy tau and per-position survival on fixed anchors."""
-    target = load_model(target_dir, dtype="bf16").eval()
+    target = load_model(target_dir, dtype=cfg.target_dtype).eval()
     data = torch.from_numpy(sequences.astype(np.int64))
     totals = {"accuracy": [], "tau": [], "per_pos": []}
     for i in range(batches):
@@ -57,19 +58,21 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
     cfg = BlockTrainConfig(
         kind=args.kind, loss=args.loss or ("dspark" if args.kind == "dspark" else "ce+decay"),
         block_size=args.block_size, max_steps=args.max_steps or defaults.max_steps,
+        anchors=args.anchors or defaults.anchors, target_dtype=args.dtype,
     )
     tokenizer = Tokenizer.from_dir(target)
     mask_id = tokenizer.token_id(MASK_TOKEN)
     runs = args.data_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     tokens = args.data_dir / "tokens"
-    train = target_continuations(target, tokens / "train.bin", continuations_file(target, runs, "train"),
-                                 num=args.num_sequences)
+    train = target_continuations(target, tokens / "train.bin", continuations_file(target, runs, "train", args.dtype),
+                                 num=args.num_sequences, dtype=args.dtype)
     model = train_block_drafter(target, train, out, cfg, mask_id, stop_at=args.stop_at)
     if model is None:
         print(f"checkpointed at step {args.stop_at} in {out}/state; rerun to continue")
         return 0
-    val = target_continuations(target, tokens / "val.bin", continuations_file(target, runs, "val"), num=64, seed=2)
+    val = target_continuations(target, tokens / "val.bin", continuations_file(target, runs, "val", args.dtype), num=64,
+                               seed=2, dtype=args.dtype)
     held_out = evaluate(model, target, val, cfg)
     meta = json.loads((out / "state" / "meta.json").read_text())
     summary = {"kind": cfg.kind, "loss": cfg.loss, "parameters": sum(p.numel() for p in model.parameters()),
@@ -95,8 +98,9 @@ own (the target's embedding and LM head are shared). Weights in bf16 safetensors
 ## Training
 The target's own greedy continuations of training-corpus prompts (PSF-licensed Python sources and docs),
 {c['anchors']} random anchors per sequence, loss `{summary['loss']}`, AdamW lr {c['lr']}, {summary['steps']} steps of
-{c['batch_size']} sequences in {summary['training_hours']:.2f} h on CPU. Recipe:
-`verispec train drafter --kind {summary['kind']} --loss {summary['loss']}`.
+{c['batch_size']} sequences in {summary['training_hours']:.2f} h on CPU (frozen target in {c['target_dtype']}). Recipe:
+`verispec train drafter --kind {summary['kind']} --loss {summary['loss']} --block-size {c['block_size']} --anchors {c['anchors']}
+--max-steps {c['max_steps']} --dtype {c['target_dtype']}`.
 
 ## Held-out (validation split continuations)
 - block token accuracy {summary['held_out']['accuracy']:.3f}; greedy acceptance length tau {summary['held_out']['tau']:.2f}

@@ -27,7 +27,8 @@ DRAFT_TRAIN = TrainConfig(seq_len=256, batch_size=16, lr=2e-3, warmup_steps=50, 
 
 @torch.inference_mode()
 def target_continuations(target_dir: Path, train_tokens: Path, out: Path, num: int = 1536, prompt_len: int = 128,
-                         new_tokens: int = 128, batch: int = 32, seed: int = 1, progress: bool = True) -> np.ndarray:
+                         new_tokens: int = 128, batch: int = 32, seed: int = 1, progress: bool = True,
+                         dtype: str = "bf16") -> np.ndarray:
     """[num, prompt_len + new_tokens] uint16: corpus prompts followed by the target's greedy continuation.
 
     Batched: every row has the same prompt length, so one cache with batch rows serves them all. Rows are
@@ -38,7 +39,7 @@ def target_continuations(target_dir: Path, train_tokens: Path, out: Path, num: i
     done = np.fromfile(out, dtype=np.uint16).reshape(-1, width) if out.is_file() else np.zeros((0, width), np.uint16)
     if len(done) >= num:
         return done[:num]
-    target = load_model(target_dir, dtype="bf16")
+    target = load_model(target_dir, dtype=dtype)
     windows = TokenWindows(train_tokens, prompt_len - 1, seed)
     bar = tqdm(total=num, initial=len(done), disable=not progress, desc="target continuations", unit="seq")
     with out.open("ab") as f:
