@@ -18,6 +18,7 @@ from verispec.drafters import DraftRequest, build_drafter
 from verispec.drafters.block import BlockDrafter, load_block_drafter, save_block_drafter
 from verispec.engine import Engine
 from verispec.errors import CheckpointError, ConfigError
+from verispec.model import load_model, save_model
 from verispec.model.block import BlockConfig, BlockDraftModel
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28], [7]]
@@ -210,3 +211,22 @@ def test_lm_head_runs_only_on_drafted_positions(target):
     finally:
         hook.remove()
     assert rows == [torch.Size([1, 1]), torch.Size([1, 3])]
+
+
+def test_drafter_runs_in_the_targets_dtype(tmp_path, target):
+    """A bf16 target gets a bf16 drafter (its matmuls) with fp32 RoPE tables and fp32 context attention on CPU;
+    its drafts match the fp32 drafter's on this tiny model and decoding stays lossless."""
+    save_block_drafter(make_block(target, head="markov", confidence=True), tmp_path / "d")
+    save_model(target, tmp_path / "t")
+    bf16 = load_model(tmp_path / "t", dtype="bf16")
+    drafter = load_block_drafter(tmp_path / "d", bf16)
+    assert {p.dtype for p in drafter.model.parameters()} == {torch.bfloat16}
+    assert drafter.model.rotary_emb.cos.dtype == torch.float32
+    ref = decode(bf16, PROMPTS[0], GREEDY).token_ids
+    out = decode(bf16, PROMPTS[0], GREEDY, drafter=drafter, spec=SpecConfig(k=1))
+    assert out.token_ids == ref and out.stats.num_drafts > 0
+    fp32 = load_block_drafter(tmp_path / "d", target)
+    req = [DraftRequest(0, [7], 4, SamplingParams(), None)]
+    drafter.start(0, [7]), fp32.start(0, [7])
+    assert drafter._ctx[0].k.dtype == torch.float32
+    assert drafter.propose(req)[0].tokens == fp32.propose(req)[0].tokens

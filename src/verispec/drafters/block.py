@@ -34,12 +34,17 @@ class BlockDrafter(Drafter):
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
         self._ctx: dict[int, KVCache] = {}
+        # Context keys/values (and so the drafter's attention) in fp32 unless the drafter runs in bf16 off the CPU,
+        # the target cache's rule.
+        dtype = next(model.parameters()).dtype
+        cpu = self.target.device.type == "cpu"
+        self._ctx_dtype = torch.float32 if dtype == torch.bfloat16 and cpu else dtype
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
         cfg = self.target.config
         self._ctx[seq_id] = KVCache(
             self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.context_limit + self.model.config.block_size, dtype=torch.float32, device=self.target.device,
+            cfg.context_limit + self.model.config.block_size, dtype=self._ctx_dtype, device=self.target.device,
         )
 
     def finish(self, seq_id: int) -> None:
@@ -160,9 +165,13 @@ def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
         if state[k].shape != v.shape:
             raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
     model.load_state_dict({k: v.float() for k, v in state.items()})
+    # The drafter computes in the target's dtype: bf16 matmuls for a bf16 target (about 2x fp32 on CPUs with
+    # native bf16), fp32 for an fp32 target (exactness tests, CPUs without native bf16).
     calibration = path / "calibration.json"
     temps = json.loads(calibration.read_text()).get("sts_temperatures") if calibration.is_file() else None
-    return BlockDrafter(model.to(target.device), target, temps)
+    model = model.to(device=target.device, dtype=target.dtype)
+    model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
+    return BlockDrafter(model, target, temps)
 
 
 def _bench_spec(kind: str):

@@ -85,10 +85,11 @@ class _BlockLayer(nn.Module):
         h = self.input_layernorm(x)
         q = apply_rope(self.q_norm(self.q_proj(h).view(b, g, self.nq, self.head_dim)), cos, sin).transpose(1, 2)
         k, v = self.kv(h, cos, sin)
-        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
-        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask, enable_gqa=self.nq != self.nkv)
-        x = x + self.o_proj(out.transpose(1, 2).reshape(b, g, -1))
+        # Attention runs in the context's dtype: fp32 for a bf16 drafter on CPU, where bf16 attention is slow.
+        k = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
+        v = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
+        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=ctx_mask, enable_gqa=self.nq != self.nkv)
+        x = x + self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(b, g, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
