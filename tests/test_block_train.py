@@ -117,8 +117,8 @@ def test_target_dtype_is_a_choice(setup, tmp_path):
     """The frozen target may run in bf16 (as served) or fp32 (fast on CPUs without native bf16); nothing else."""
     path, _, seqs = setup
     for dtype in ("fp32", "bf16"):
-        model = train_block_drafter(path / "target", seqs, tmp_path / dtype, cfg(target_dtype=dtype, max_steps=2), 3,
-                                    progress=False)
+        c = cfg(target_dtype=dtype, max_steps=2)
+        model = train_block_drafter(path / "target", seqs, tmp_path / dtype, c, 3, progress=False)
         assert all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(ValueError, match="target_dtype"):
         cfg(target_dtype="fp16")

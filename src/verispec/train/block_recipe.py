@@ -77,6 +77,7 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
     meta = json.loads((out / "state" / "meta.json").read_text())
     summary = {"kind": cfg.kind, "loss": cfg.loss, "parameters": sum(p.numel() for p in model.parameters()),
                "steps": meta["step"], "training_hours": meta["elapsed_s"] / 3600, "held_out": held_out,
+               "num_sequences": len(train),
                "config": json.loads(json.dumps(cfg.__dict__, default=list))}
     save_block_drafter(model, zoo_dir, extra={"training": summary})
     (zoo_dir / "README.md").write_text(card(summary, target))
@@ -91,7 +92,7 @@ def card(summary: dict, target: Path) -> str:
     per_pos = ", ".join(f"{x:.2f}" for x in summary["held_out"]["per_pos"])
     return f"""# verispec {summary['kind']} drafter
 
-A block drafter for `{target}`: {c['num_layers']} decoder layers over the target's hidden states at layers
+A block drafter for `{_shown(target)}`: {c['num_layers']} decoder layers over the target's hidden states at layers
 {c['target_layers']}, block size {c['block_size']}, {head}; {summary['parameters'] / 1e6:.2f}M parameters of its
 own (the target's embedding and LM head are shared). Weights in bf16 safetensors.
 
@@ -99,10 +100,20 @@ own (the target's embedding and LM head are shared). Weights in bf16 safetensors
 The target's own greedy continuations of training-corpus prompts (PSF-licensed Python sources and docs),
 {c['anchors']} random anchors per sequence, loss `{summary['loss']}`, AdamW lr {c['lr']}, {summary['steps']} steps of
 {c['batch_size']} sequences in {summary['training_hours']:.2f} h on CPU (frozen target in {c['target_dtype']}). Recipe:
-`verispec train drafter --kind {summary['kind']} --loss {summary['loss']} --block-size {c['block_size']} --anchors {c['anchors']}
---max-steps {c['max_steps']} --dtype {c['target_dtype']}`.
+
+    verispec train drafter --kind {summary['kind']} --loss {summary['loss']} --block-size {c['block_size']} \\
+        --anchors {c['anchors']} --max-steps {c['max_steps']} --num-sequences {summary.get('num_sequences', 1536)} \\
+        --dtype {c['target_dtype']}
 
 ## Held-out (validation split continuations)
 - block token accuracy {summary['held_out']['accuracy']:.3f}; greedy acceptance length tau {summary['held_out']['tau']:.2f}
 - per-position survival (all before accepted): {per_pos}
 """
+
+
+def _shown(path: Path) -> str:
+    """A path as a card shows it: relative to the working directory when under it (cards ship in the repo)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
