@@ -120,9 +120,11 @@ def decode_stream(
                                    hidden_layers=hidden_layers)
     tokens = list(prompt_ids)
     if drafter is not None:
+        t0 = time.perf_counter()
         drafter.start(seq_id, tokens)
         if prefill_hidden:
             drafter.observe(seq_id, 0, {k: v[0] for k, v in prefill_hidden.items()})
+        stats.draft_s += time.perf_counter() - t0
     try:
         while True:
             n = len(tokens)
@@ -130,7 +132,9 @@ def decode_stream(
             budget = min(spec.k, params.max_tokens - len(stopper.output) - 1, limit - n - 1)
             draft = EMPTY_DRAFT
             if drafter is not None and budget > 0:
+                t0 = time.perf_counter()
                 draft = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
+                stats.draft_s += time.perf_counter() - t0
                 _check_draft(draft, budget, target.config.vocab_size, drafter)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
             logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
@@ -143,7 +147,9 @@ def decode_stream(
             if stats.num_rounds == 1:
                 stats.ttft_s = time.perf_counter() - start
             if drafter is not None:
+                t0 = time.perf_counter()
                 drafter.accept(Verified(seq_id, num_accepted, emitted.token_ids, {k: v[0] for k, v in hidden.items()}))
+                stats.draft_s += time.perf_counter() - t0
             if emitted.finish_reason is None:
                 yield StreamEvent(emitted.token_ids, emitted.text)
                 continue

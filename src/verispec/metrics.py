@@ -16,6 +16,7 @@ class SpecStats:
     num_output_tokens: int = 0
     ttft_s: float = 0.0
     elapsed_s: float = 0.0
+    draft_s: float = 0.0  # of elapsed_s, time inside the drafter (propose, observe, accept): the rest is the target
 
     def record_round(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
         """One verification round: `num_emitted` tokens were kept after stop checks (<= num_accepted + 1)."""
@@ -66,4 +67,5 @@ class SpecStats:
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
             "elapsed_s": self.elapsed_s,
+            "draft_s": self.draft_s,
         }

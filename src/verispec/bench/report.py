@@ -10,22 +10,29 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}"
 
 
+def _round_ms(r: dict) -> str:
+    return f"{r['round_ms']:.1f} ({r['draft_ms']:.1f})" if "round_ms" in r else "-"  # older results.json lack it
+
+
 def summary_markdown(report: dict) -> str:
     cfg = report["config"]
     lines = [
         f"# verispec bench: {Path(cfg['target']).name}, {cfg['dtype']}, {report['threads']} threads, greedy, "
         f"{cfg['max_tokens']} new tokens, {cfg['repeats']} repeat(s)",
         "",
-        "Speedup: median over repeats of plain time / method time on the same prompts, interleaved.",
+        "Speedup: median over repeats of plain time / method time on the same prompts, interleaved. "
+        "ms/round: a speculative round's time (first repeat), with the drafter's share in brackets; the rest is "
+        "the target forward that verifies k + 1 positions. A plain step takes 1000 / plain tokens/s ms.",
         "",
-        "| task | method | k | tau | acceptance | tokens/s | plain tokens/s | speedup | equal to plain |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | method | k | tau | acceptance | tokens/s | plain tokens/s | ms/round (draft) | speedup | equal to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["records"]:
         eq = "yes" if r["equal_to_plain"] else (
             f"{r['num_diverged']}/{r['num_prompts']} diverged ({r['num_diverged_at_near_tie']} at a near-tie)")
         lines.append(f"| {r['task']} | {r['method']} | {r['k']} | {_fmt(r['tau'])} | {_fmt(r['acceptance_rate'])} | "
-                     f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | **{_fmt(r['speedup_vs_plain'])}x** | {eq} |")
+                     f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {_round_ms(r)} | "
+                     f"**{_fmt(r['speedup_vs_plain'])}x** | {eq} |")
     best = defaultdict(lambda: (0.0, ""))
     for r in report["records"]:
         if r["speedup_vs_plain"] > best[r["task"]][0]:

@@ -73,6 +73,9 @@ def _merge(total: SpecStats, s: SpecStats) -> None:
     total.num_draft_tokens += s.num_draft_tokens
     total.num_accepted_tokens += s.num_accepted_tokens
     total.num_output_tokens += s.num_output_tokens
+    total.num_rounds += s.num_rounds
+    total.elapsed_s += s.elapsed_s
+    total.draft_s += s.draft_s
     if len(total.accepted_per_pos) < len(s.accepted_per_pos):
         total.accepted_per_pos += [0] * (len(s.accepted_per_pos) - len(total.accepted_per_pos))
     for j, a in enumerate(s.accepted_per_pos):
@@ -152,6 +155,9 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
             "tokens_per_s": cell.tokens / statistics.median(cell.times),
             "plain_tokens_per_s": plain_tps,
             "speedup_vs_plain": statistics.median(p / t for p, t in zip(cell.plain_times, cell.times)),
+            # Where a round's time goes (first repeat): the drafter's share, the rest is the verifying target forward.
+            "round_ms": 1e3 * cell.stats.elapsed_s / max(1, cell.stats.num_rounds),
+            "draft_ms": 1e3 * cell.stats.draft_s / max(1, cell.stats.num_rounds),
             "equal_to_plain": not cell.diverged, "num_prompts": cell.equal + len(cell.diverged),
             "num_diverged": len(cell.diverged),
             "num_diverged_at_near_tie": sum(g < NEAR_TIE_LOGPROB for g in gaps),
