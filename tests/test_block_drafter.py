@@ -93,6 +93,31 @@ def test_context_cache_equals_recomputation(target):
     assert incremental.last == fresh.tokens
 
 
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_training_forward_drafts_what_inference_drafts(kind, target):
+    """The trainer's block forward (teacher-forced Markov bias) and the drafter's propose are one computation:
+    with the proposal itself as the labels, the training logits' argmax is the proposal at every position, and
+    the confidences agree. Guards the offsets between the two paths (anchor position, RoPE, context mask)."""
+    from verispec.train.block import BlockBatch, block_forward
+
+    model = make_block(target, **KINDS[kind])
+    drafter = BlockDrafter(model, target)
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([prompt]), hidden_layers=(1,))
+        drafter.start(0, prompt)
+        drafter.observe(0, 0, {1: hidden[1][0, :-1]})
+        draft = drafter.propose([DraftRequest(0, prompt, 4, SamplingParams(), None)])[0]
+        g = model.config.block_size
+        blocks = BlockBatch(anchors=torch.tensor([prompt[-1]]), anchor_pos=torch.tensor([len(prompt) - 1]),
+                            labels=torch.tensor([draft.tokens]), mask=torch.ones(1, g, dtype=torch.bool),
+                            seq=torch.tensor([0]))
+        logits, confidence, _ = block_forward(model, target, torch.tensor([prompt]), blocks, hidden)
+    assert logits[0].argmax(-1).tolist() == draft.tokens
+    if confidence is not None:
+        torch.testing.assert_close(confidence[0], draft.confidence, rtol=1e-5, atol=1e-6)
+
 class _Recorder(BlockDrafter):
     """Wraps a drafter; at the end, proposes from its incrementally built context for the final tokens."""
 
