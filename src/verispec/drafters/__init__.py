@@ -1,6 +1,6 @@
 """Built-in drafters register themselves here; `build_drafter("name[:arg]", ...)` picks one."""
 
-from verispec.drafters import block, model, ngram  # noqa: F401  (registration)
+from verispec.drafters import block, lookup, model, ngram  # noqa: F401  (registration)
 from verispec.drafters.base import (
     BENCH_SPECS,
     DRAFTERS,
@@ -13,10 +13,11 @@ from verispec.drafters.base import (
     register_drafter,
 )
 from verispec.drafters.block import BlockDrafter
+from verispec.drafters.lookup import LookupFirstDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 
 __all__ = [
-    "BENCH_SPECS", "BlockDrafter", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "Verified",
+    "BENCH_SPECS", "BlockDrafter", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "LookupFirstDrafter", "ModelDrafter", "NgramDrafter", "Verified",
     "build_drafter", "register_drafter",
 ]

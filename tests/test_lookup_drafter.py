@@ -1,0 +1,77 @@
+"""`lookup:SPEC`: prompt lookup first, a learned drafter otherwise. Exact whichever drafts a round, the inner
+drafter's state stays in sync across rounds it did not draft, and bad specs fail clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _markov import tv_limit
+from test_block_drafter import GREEDY, KINDS, N_STAT, PROMPTS, make_block, plain, stat_target, target  # noqa: F401
+from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair_joints
+
+from verispec.config import EngineConfig, SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters import BlockDrafter, LookupFirstDrafter, ModelDrafter, build_drafter
+from verispec.engine import Engine
+from verispec.errors import ConfigError
+
+# Repeats, so that suffix matches exist in some rounds and not in others.
+LOOPY = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 13]
+
+
+@pytest.mark.parametrize("min_n", [1, 2, 3])
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_equals_plain_whoever_drafts(min_n, k, target):
+    """A1 with a DSpark-style inner drafter: both kinds of round occur, and the output equals plain greedy (the
+    inner block drafter raises if its context misses a round it did not draft)."""
+    for prompt in PROMPTS + [LOOPY]:
+        ref = decode(target, prompt, GREEDY).token_ids
+        drafter = LookupFirstDrafter(BlockDrafter(make_block(target, **KINDS["dspark"]), target), min_n=min_n)
+        out = decode(target, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=k))
+        assert out.token_ids == ref
+    assert drafter.num_lookup > 0 and drafter.num_inner > 0
+
+
+def test_engine_greedy_with_lookup_first(target, plain):  # noqa: F811
+    inner = BlockDrafter(make_block(target, **KINDS["dspark"]), target)
+    drafter = LookupFirstDrafter(inner, min_n=1)
+    engine = Engine(target, None, EngineConfig(k=4, drafter="l", prefill_chunk=6), drafters={"l": drafter})
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    results = engine.run_until_done()
+    assert [results[i].token_ids for i in ids] == plain
+    assert drafter.num_lookup > 0 and drafter.num_inner > 0
+
+
+def test_lookup_first_samples_from_target(stat_target):  # noqa: F811
+    """A5: rounds drafted by lookup (point mass) and by the inner block drafter (its q) mix in one run; the
+    output pairs follow the target's joint distribution."""
+    joints = exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)
+    inner = BlockDrafter(make_block(stat_target, block_size=2, std=0.5, **KINDS["dspark"]), stat_target)
+    drafter = LookupFirstDrafter(inner, min_n=1, max_n=1)
+    engine = Engine(stat_target, None, EngineConfig(k=2, drafter="l", max_running=250, max_queued=N_STAT),
+                    drafters={"l": drafter})
+    for i in range(N_STAT):
+        engine.add_request(S_PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i), request_id=str(i))
+    results = engine.run_until_done()
+    assert drafter.num_lookup > 0 and drafter.num_inner > 0
+    assert 0 < engine.metrics.num_accepted_tokens < engine.metrics.num_draft_tokens
+    samples = np.array([results[str(i)].token_ids for i in range(N_STAT)])
+    for cols, joint in (([0, 1], joints[0]), ([1, 2], joints[1])):
+        tv, pval, impossible = check_pair(samples[:, cols], joint)
+        assert tv < tv_limit(SV * SV, N_STAT) and pval > ALPHA and impossible == 0, (tv, pval)
+
+
+def test_spec_and_errors(target, tmp_path):  # noqa: F811
+    from verispec.model import save_model
+
+    save_model(target, tmp_path / "t")
+    d = build_drafter(f"lookup:model:{tmp_path / 't'}", target=target, dtype=target.dtype, device=target.device)
+    assert isinstance(d, LookupFirstDrafter) and isinstance(d.inner, ModelDrafter)
+    out = decode(target, LOOPY, GREEDY, drafter=d, spec=SpecConfig(k=3))
+    assert out.token_ids == decode(target, LOOPY, GREEDY).token_ids
+    for bad, msg in (("lookup", "needs an inner drafter"), ("lookup:ngram", "learned one"),
+                     ("lookup:nope", "unknown drafter")):
+        with pytest.raises(ConfigError, match=msg):
+            build_drafter(bad, target=target, dtype=target.dtype, device=target.device)
+    with pytest.raises(ConfigError, match="min_n"):
+        LookupFirstDrafter(d.inner, min_n=3, max_n=2)
