@@ -93,7 +93,6 @@ def test_context_cache_equals_recomputation(target):
     assert incremental.last == fresh.tokens
 
 
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_training_forward_drafts_what_inference_drafts(kind, target):
     """The trainer's block forward (teacher-forced Markov bias) and the drafter's propose are one computation:
@@ -117,6 +116,7 @@ def test_training_forward_drafts_what_inference_drafts(kind, target):
     assert logits[0].argmax(-1).tolist() == draft.tokens
     if confidence is not None:
         torch.testing.assert_close(confidence[0], draft.confidence, rtol=1e-5, atol=1e-6)
+
 
 class _Recorder(BlockDrafter):
     """Wraps a drafter; at the end, proposes from its incrementally built context for the final tokens."""

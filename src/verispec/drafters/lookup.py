@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter, register_drafter
+from verispec.drafters.base import BENCH_SPECS, EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter, register_drafter
 from verispec.drafters.ngram import lookup
 from verispec.errors import ConfigError
 
@@ -35,17 +35,19 @@ class LookupFirstDrafter(Drafter):
         self.inner.observe(seq_id, start, hidden)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts: list[Draft] = []
+        drafts = [EMPTY_DRAFT] * len(requests)
         rest = []  # requests without a long enough match, for one batched call of the inner drafter
         for i, r in enumerate(requests):
-            found = lookup(np.asarray(r.tokens, dtype=np.int64), self.max_n, self.min_n, r.budget) \
-                if r.budget > 0 else []
-            drafts.append(Draft(tokens=found) if found else EMPTY_DRAFT)
-            if not found and r.budget > 0:
+            if r.budget <= 0:
+                continue
+            found = lookup(np.asarray(r.tokens, dtype=np.int64), self.max_n, self.min_n, r.budget)
+            if found:
+                drafts[i] = Draft(tokens=found)
+                self.num_lookup += 1
+            else:
                 rest.append(i)
-        self.num_lookup += len(requests) - len(rest)
-        self.num_inner += len(rest)
         if rest:
+            self.num_inner += len(rest)
             for i, d in zip(rest, self.inner.propose([requests[i] for i in rest])):
                 drafts[i] = d
         return drafts
@@ -58,7 +60,8 @@ class LookupFirstDrafter(Drafter):
 
 
 def _bench_spec(zoo) -> str | None:
-    return f"lookup:dspark:{zoo / 'dspark'}" if (zoo / "dspark" / "config.json").is_file() else None
+    inner = BENCH_SPECS["dspark"](zoo)  # the zoo's DSpark drafter, when it ships one
+    return f"lookup:{inner}" if inner else None
 
 
 @register_drafter("lookup", bench_spec=_bench_spec)
