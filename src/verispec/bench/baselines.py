@@ -5,24 +5,17 @@ token equality with verispec is checked separately."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 
+from verispec.bench.core import load_hf_model
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.model.checkpoint import parse_dtype
 
 PROMPT_LOOKUP_TOKENS = 10  # what HF's docs use for prompt_lookup_num_tokens
-
-
-def _load_hf(path, dtype):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def _assistant(model, k: int | None):
@@ -44,9 +37,9 @@ def run_baselines(cfg, target, tok, sets, drafters, progress: bool = True) -> li
     from tqdm import tqdm
 
     dtype = parse_dtype(cfg.dtype)
-    hf = _load_hf(cfg.target, dtype)
+    hf = load_hf_model(cfg.target, dtype)
     draft_spec = next((s for s in drafters if s.startswith("model:")), None)
-    hf_draft = _load_hf(draft_spec.split(":", 1)[1], dtype) if draft_spec else None
+    hf_draft = load_hf_model(draft_spec.split(":", 1)[1], dtype) if draft_spec else None
     ngram_spec = next((s for s in drafters if s.split(":")[0] == "ngram"), None)
     k_const = 4 if 4 in cfg.ks else cfg.ks[0]
     n = cfg.max_tokens
@@ -107,8 +100,8 @@ def _fp32_equality(cfg, sets, systems_with_draft: bool, draft_spec, ngram_spec, 
 
     target = load_model(cfg.target, "fp32")
     target.source_dir = cfg.target
-    hf = _load_hf(cfg.target, torch.float32)
-    hf_draft = _load_hf(draft_spec.split(":", 1)[1], torch.float32) if systems_with_draft else None
+    hf = load_hf_model(cfg.target, torch.float32)
+    hf_draft = load_hf_model(draft_spec.split(":", 1)[1], torch.float32) if systems_with_draft else None
     n, params = 32, SamplingParams(max_tokens=32, ignore_eos=True)
     result = {"hf_generate": True}
     if ngram_spec:

@@ -24,11 +24,12 @@ from verispec.model.tokenizer import Tokenizer
 PROMPT = (Path(__file__).resolve().parents[3] / "scripts" / "demo_prompt.py")
 
 
-def _hf_model(path: Path, dtype: torch.dtype):
+def load_hf_model(path: Path | str, dtype: torch.dtype):
+    """A local checkpoint as a Hugging Face model (for baselines and parity), from safetensors only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).eval()
 
 
 def _hf_generate(model, prompt: list[int], n: int) -> list[int]:
@@ -52,13 +53,13 @@ def run(cache_dir: Path, repeats: int, new_tokens: int, threads: int | None) -> 
     report: dict = {"threads": torch.get_num_threads(), "new_tokens": new_tokens, "prompt_tokens": len(prompt)}
 
     # 1. fp32: the two implementations must produce the same greedy tokens.
-    ours32, hf32 = load_model(big, "fp32"), _hf_model(big, torch.float32)
+    ours32, hf32 = load_model(big, "fp32"), load_hf_model(big, torch.float32)
     ours_tokens = decode(ours32, prompt, SamplingParams(max_tokens=32, ignore_eos=True)).token_ids
     report["fp32_equal_to_hf"] = ours_tokens == _hf_generate(hf32, prompt, 32)
     del ours32, hf32
 
     # 2. bf16 plain decoding and prompt lookup, interleaved with HF generate.
-    ours, hf = load_model(big, "bf16"), _hf_model(big, torch.bfloat16)
+    ours, hf = load_model(big, "bf16"), load_hf_model(big, torch.bfloat16)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     results = {}
 
@@ -98,7 +99,7 @@ def run(cache_dir: Path, repeats: int, new_tokens: int, threads: int | None) -> 
                 cache.truncate(64)
 
             forward[f"verispec_{dtype_name}_ms"] = _forward_ms(step)
-            h = _hf_model(tiny, dtype)
+            h = load_hf_model(tiny, dtype)
             past = h(x, use_cache=True).past_key_values
 
             def hf_step():
