@@ -37,12 +37,15 @@ def tiny_config(vocab_size: int = 97, model_type: str = "llama", **kw) -> ModelC
 
 
 def tiny_model(seed: int = 0, std: float = 0.2, **kw) -> Transformer:
-    """A random fp32 model. std=0.2 (not 0.02) keeps argmax sequences non-degenerate (machine.md §5)."""
+    """A random fp32 model. std=0.2 (not 0.02) keeps argmax sequences non-degenerate (machine.md §5).
+
+    Prepared as `load_model` prepares a model for inference (fused projections, packed weights), so the tests
+    run the matmuls that ship."""
     torch.manual_seed(seed)
     model = Transformer(tiny_config(**kw))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=std)
-    return model.eval()
+    return model.eval().fuse_projections().pack_weights()
 
 
 def make_tokenizer(vocab_size: int = 320) -> Tokenizer:

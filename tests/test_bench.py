@@ -7,7 +7,8 @@ import json
 from verispec.bench.suite import BenchConfig, run
 
 RECORD_KEYS = {"task", "method", "k", "tau", "acceptance_rate", "accepted_per_pos", "tokens_per_s",
-               "speedup_vs_plain", "equal_to_plain", "num_diverged", "num_diverged_at_near_tie", "round_ms", "draft_ms"}
+               "speedup_vs_plain", "equal_to_plain", "num_diverged", "num_diverged_at_near_tie", "round_ms", "draft_ms",
+               "decode_speedup_vs_plain", "plain_step_ms"}
 BASELINE_KEYS = {"system", "task", "tokens_per_s", "verispec_ratio", "equal_tokens_fp32"}
 
 
@@ -28,6 +29,7 @@ def test_bench_output_schema(checkpoint_dir, tmp_path):
         assert r["equal_to_plain"] and r["num_diverged"] == 0  # fp32 greedy is exact
         assert 1.0 <= r["tau"] <= r["k"] + 1 and len(r["accepted_per_pos"]) <= r["k"]
         assert 0.0 < r["draft_ms"] < r["round_ms"]  # a round = drafting + the verifying target forward
+        assert r["decode_speedup_vs_plain"] > 0.0 and r["plain_step_ms"] > 0.0
         if r["method"] == "model":  # the target drafting for itself accepts everything
             assert r["acceptance_rate"] == 1.0
     systems = {b["system"] for b in report["baselines"] if "tokens_per_s" in b}

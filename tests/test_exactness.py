@@ -200,6 +200,7 @@ def test_self_draft_accepts_everything(k, targets, plain):
         assert (s.num_drafts, s.num_rounds, s.num_draft_tokens) == (rounds, rounds, rounds * k)
         assert s.accepted_per_pos == [rounds] * k
         assert 0.0 < s.draft_s < s.elapsed_s  # the drafter's share of the time (bench: ms/round (draft))
+        assert 0.0 < s.prefill_s and s.draft_s + s.prefill_s < s.elapsed_s  # the prompt pass, not counted as decoding
 
 
 PATTERNS = {

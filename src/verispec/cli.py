@@ -360,6 +360,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the profile here")
+    p.add_argument("--no-pack", action="store_true",
+                   help="plain F.linear matmuls instead of packed weights (to compare; see verispec.model.packing)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -370,9 +372,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from verispec.zoo import default_target
 
     set_threads(args.threads)
-    target = load_model(args.target or default_target(), dtype=args.dtype)
+    target = load_model(args.target or default_target(), dtype=args.dtype, pack=not args.no_pack)
     prof = load_or_measure(target, progress=True, refresh=args.refresh)
-    print(f"profile {cache_path(prof.key)} ({prof.key['dtype']}, {prof.key['threads']} threads, {prof.key['device']})")
+    packed = "packed weights" if prof.key.get("packed") else "unpacked weights"
+    print(f"profile {cache_path(prof.key)} ({prof.key['dtype']}, {prof.key['threads']} threads, {prof.key['device']}, "
+          f"{packed})")
     for b, s in zip(prof.tokens, prof.seconds):
         print(f"  B={b:4d}  {s * 1e3:8.2f} ms/step  {b / s:9.0f} tokens/s if all accepted")
     print(f"  each request beyond the first: +{prof.per_request_s * 1e3:.3f} ms/step")

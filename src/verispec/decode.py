@@ -116,8 +116,10 @@ def decode_stream(
     device = target.device
     prefill_hidden: dict[int, torch.Tensor] = {}
     if len(prompt_ids) > 1:
+        t0 = time.perf_counter()
         _, prefill_hidden = target(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, num_logits=0,
                                    hidden_layers=hidden_layers)
+        stats.prefill_s = time.perf_counter() - t0
     tokens = list(prompt_ids)
     if drafter is not None:
         t0 = time.perf_counter()

@@ -17,6 +17,12 @@ class SpecStats:
     ttft_s: float = 0.0
     elapsed_s: float = 0.0
     draft_s: float = 0.0  # of elapsed_s, time inside the drafter (propose, observe, accept): the rest is the target
+    prefill_s: float = 0.0  # of elapsed_s, the target's forward over the prompt (the same with or without a drafter)
+
+    @property
+    def decode_s(self) -> float:
+        """elapsed_s after the target's prefill: what speculation can speed up (drafter's prompt pass included)."""
+        return self.elapsed_s - self.prefill_s
 
     def record_round(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
         """One verification round: `num_emitted` tokens were kept after stop checks (<= num_accepted + 1)."""

@@ -52,6 +52,8 @@ class Cell:
 
     times: list[float] = field(default_factory=list)  # per repeat: seconds summed over the task's prompts
     plain_times: list[float] = field(default_factory=list)
+    decode_times: list[float] = field(default_factory=list)  # the same after each prompt's prefill (SpecStats.decode_s)
+    plain_decode_times: list[float] = field(default_factory=list)
     tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     equal: int = 0
@@ -76,6 +78,7 @@ def _merge(total: SpecStats, s: SpecStats) -> None:
     total.num_rounds += s.num_rounds
     total.elapsed_s += s.elapsed_s
     total.draft_s += s.draft_s
+    total.prefill_s += s.prefill_s
     if len(total.accepted_per_pos) < len(s.accepted_per_pos):
         total.accepted_per_pos += [0] * (len(s.accepted_per_pos) - len(total.accepted_per_pos))
     for j, a in enumerate(s.accepted_per_pos):
@@ -118,15 +121,18 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
     for rep in range(cfg.repeats):
         for task, prompts in sets.items():
             plain_total, method_total = 0.0, {m: 0.0 for m in methods}
+            plain_decode, method_decode = 0.0, {m: 0.0 for m in methods}
             for prompt in prompts:
                 t0 = time.perf_counter()
                 plain = decode(target, prompt, params)
                 plain_total += time.perf_counter() - t0
+                plain_decode += plain.stats.decode_s
                 bar.update(1)
                 for s, k in methods:
                     t0 = time.perf_counter()
                     res: GenerationResult = decode(target, prompt, params, drafter=drafters[s], spec=SpecConfig(k=k))
                     method_total[(s, k)] += time.perf_counter() - t0
+                    method_decode[(s, k)] += res.stats.decode_s
                     bar.update(1)
                     if rep == 0:
                         cell = cells[(task, s, k)]
@@ -137,8 +143,11 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
                         else:
                             cell.diverged.append((prompt, plain.token_ids, res.token_ids))
             for m in methods:
-                cells[(task, *m)].times.append(method_total[m])
-                cells[(task, *m)].plain_times.append(plain_total)
+                cell = cells[(task, *m)]
+                cell.times.append(method_total[m])
+                cell.plain_times.append(plain_total)
+                cell.decode_times.append(method_decode[m])
+                cell.plain_decode_times.append(plain_decode)
     bar.close()
 
     records = []
@@ -155,9 +164,14 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
             "tokens_per_s": cell.tokens / statistics.median(cell.times),
             "plain_tokens_per_s": plain_tps,
             "speedup_vs_plain": statistics.median(p / t for p, t in zip(cell.plain_times, cell.times)),
-            # Where a round's time goes (first repeat): the drafter's share, the rest is the verifying target forward.
-            "round_ms": 1e3 * cell.stats.elapsed_s / max(1, cell.stats.num_rounds),
+            # The same ratio without the prompt's prefill, identical work on both sides (time per output token).
+            "decode_speedup_vs_plain": statistics.median(
+                p / t for p, t in zip(cell.plain_decode_times, cell.decode_times)),
+            # Where a round's time goes after the prefill (first repeat): the drafter's share, the rest is the
+            # verifying target forward.
+            "round_ms": 1e3 * (cell.stats.elapsed_s - cell.stats.prefill_s) / max(1, cell.stats.num_rounds),
             "draft_ms": 1e3 * cell.stats.draft_s / max(1, cell.stats.num_rounds),
+            "plain_step_ms": 1e3 * statistics.median(cell.plain_decode_times) / max(1, cell.tokens),
             "equal_to_plain": not cell.diverged, "num_prompts": cell.equal + len(cell.diverged),
             "num_diverged": len(cell.diverged),
             "num_diverged_at_near_tie": sum(g < NEAR_TIE_LOGPROB for g in gaps),

@@ -19,6 +19,7 @@ from verispec.cache import KVCache
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
 from verispec.errors import CheckpointError
 from verispec.model.block import BlockConfig, BlockDraftModel
+from verispec.model.packing import pack_linears
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -171,6 +172,7 @@ def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
     temps = json.loads(calibration.read_text()).get("sts_temperatures") if calibration.is_file() else None
     model = model.to(device=target.device, dtype=target.dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
+    pack_linears(model)  # loaded for inference: fp32 CPU matmuls on packed weights
     return BlockDrafter(model, target, temps)
 
 

@@ -61,6 +61,7 @@ def profile_key(target: Transformer) -> dict:
         "dtype": str(target.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "device": str(target.device),
+        "packed": target.packed,
     }
 
 

@@ -78,9 +78,11 @@ def _more(names: list[str]) -> str:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+    path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu", pack: bool = True
 ) -> Transformer:
-    """Build the model from `config.json` and fill it from the safetensors weights, checking every tensor."""
+    """Build the model from `config.json` and fill it from the safetensors weights, checking every tensor.
+
+    The model is prepared for inference: fused projections and, with `pack` (where supported), packed weights."""
     cfg = load_config(path)
     state = load_state_dict(path)
     with torch.device("meta"):
@@ -109,7 +111,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were built on the meta device: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
-    return model.to(device).eval().fuse_projections()
+    model = model.to(device).eval().fuse_projections()
+    return model.pack_weights() if pack else model
 
 
 def save_model(model: Transformer, path: str | Path, dtype: str | torch.dtype | None = None) -> None:

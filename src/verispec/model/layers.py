@@ -14,6 +14,7 @@ from torch import nn
 from verispec.cache.packed import PackedBatch
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
+from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
 
 
 class RMSNorm(nn.Module):
@@ -109,9 +110,15 @@ class Attention(nn.Module):
         # Set by fuse(); buffers so that .to() moves them (after a move they are copies, still correct).
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_packed: PackedWeight | None = None  # set by pack()
 
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def pack(self) -> None:
+        """Inference only, after fuse(): the matmuls this layer runs use packed weights (see model.packing)."""
+        self.qkv_packed = pack(self.qkv_weight)
+        self.o_proj = PackedLinear(self.o_proj)
 
     def forward(
         self,
@@ -137,7 +144,7 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         nq, nkv = self.num_heads, self.num_kv_heads
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(bsz, seqlen, nq + 2 * nkv, self.head_dim)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(bsz, seqlen, nq + 2 * nkv, self.head_dim)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(
                 bsz, seqlen, nq + 2 * nkv, self.head_dim
@@ -171,13 +178,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
+        self.gate_up_packed: PackedWeight | None = None  # set by pack()
 
     def fuse(self) -> None:
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
 
+    def pack(self) -> None:
+        """Inference only, after fuse(): the matmuls this MLP runs use packed weights (see model.packing)."""
+        self.gate_up_packed = pack(self.gate_up_weight)
+        self.down_proj = PackedLinear(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_weight, None, self.gate_up_packed).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

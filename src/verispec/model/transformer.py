@@ -11,6 +11,7 @@ from torch import nn
 from verispec.cache import KVCache, PackedBatch, causal_mask
 from verispec.config import ModelConfig
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from verispec.model.packing import PackedLinear
 
 
 @contextmanager
@@ -55,9 +56,23 @@ class Transformer(nn.Module):
             layer.mlp.fuse()
         return self
 
+    def pack_weights(self) -> Transformer:
+        """Inference only, after fuse_projections: fp32 CPU matmuls use weights packed once (model.packing), which
+        makes a forward over 2-16 rows cost about one over a single row. A no-op where packing is unsupported."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        self.lm_head = PackedLinear(self.lm_head)
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def packed(self) -> bool:
+        """Whether pack_weights packed this model's matmuls (false where packing is unsupported)."""
+        return isinstance(self.lm_head, PackedLinear) and self.lm_head.packed is not None
 
     @property
     def device(self) -> torch.device:
