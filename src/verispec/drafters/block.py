@@ -87,6 +87,8 @@ class BlockDrafter(Drafter):
         # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
         span = max(budgets[i] for i in live)
         base = self.target.lm_head(h[:, :span].to(self.target.dtype)).float()  # [R, span, V] the block logits U
+        if cfg.confidence:  # c_j from h_j and x_{j-1} only: never from the token about to be drawn
+            conf_h, conf_prev = self.model.confidence_terms(h[:, :span])  # [R, span], [V]
         tokens: list[list[int]] = [[] for _ in live]
         rows: list[list[torch.Tensor]] = [[] for _ in live]
         conf: list[list[torch.Tensor]] = [[] for _ in live]
@@ -96,8 +98,8 @@ class BlockDrafter(Drafter):
             if cfg.head == "markov":
                 logits = logits + self.model.markov_bias(prev).float()
             c = None
-            if cfg.confidence:  # from h_j and x_{j-1} only: never from the token about to be drawn
-                c = torch.sigmoid(self.model.confidence_logit(h[:, j], prev).float() / self._temperature(j))
+            if cfg.confidence:
+                c = torch.sigmoid((conf_h[:, j] + conf_prev[prev]).float() / self._temperature(j))
             nxt = prev.clone()
             for row, i in enumerate(live):
                 r = requests[i]

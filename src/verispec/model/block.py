@@ -160,3 +160,10 @@ class BlockDraftModel(nn.Module):
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # [..., d], [...] -> [...]
         return self.confidence_head(torch.cat([h, self.markov_in(prev).to(h.dtype)], dim=-1)).squeeze(-1)
+
+    def confidence_terms(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., d] -> [...], [V]
+        """confidence_logit(h, prev) = terms[0] + terms[1][prev]: the block-state term (bias included) for every
+        position at once and a per-previous-token table, so a sequential head loop indexes instead of running a
+        layer per position."""
+        w, d = self.confidence_head.weight[0], h.shape[-1]
+        return h @ w[:d] + self.confidence_head.bias[0], self.markov_in.weight.to(w.dtype) @ w[d:]
