@@ -163,3 +163,17 @@ def test_pack_linears_replaces_every_linear():
         assert pack_linears(net) == 2
         assert all(type(m) is not nn.Linear for m in net.modules())
         torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_no_packing_when_the_packs_would_not_fit(monkeypatch):
+    """The packs are fp32 copies: a model whose packs would take over a quarter of the memory stays unpacked."""
+    import verispec.model.transformer as transformer
+
+    plain, _ = _models(pack=False)
+    need = 4 * sum(p.numel() for name, p in plain.named_parameters() if name.endswith("proj.weight"))
+    need += 4 * plain.lm_head.weight.numel()
+    monkeypatch.setattr(transformer, "physical_memory", lambda: 4 * need - 4)
+    assert not _models(pack=False)[1].pack_weights().packed
+    monkeypatch.setattr(transformer, "physical_memory", lambda: 4 * need)
+    assert _models(pack=False)[1].pack_weights().packed

@@ -17,6 +17,8 @@ gradient is wanted, the input is in another dtype or off the CPU, or the weight 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,14 @@ def packing_supported(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.float32:
         return True
     return weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -11,7 +11,7 @@ from torch import nn
 from verispec.cache import KVCache, PackedBatch, causal_mask
 from verispec.config import ModelConfig
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from verispec.model.packing import PackedLinear
+from verispec.model.packing import PackedLinear, packing_supported, physical_memory
 
 
 @contextmanager
@@ -57,8 +57,15 @@ class Transformer(nn.Module):
         return self
 
     def pack_weights(self) -> Transformer:
-        """Inference only, after fuse_projections: fp32 CPU matmuls use weights packed once (model.packing), which
-        makes a forward over 2-16 rows cost about one over a single row. A no-op where packing is unsupported."""
+        """Inference only, after fuse_projections: CPU matmuls use weights packed once (model.packing), which makes
+        a forward over 2-16 rows cost little more than one over a single row. The packs are fp32 copies, 4 bytes per
+        matmul weight on top of the model: a model whose packs would take over a quarter of this machine's memory
+        is left unpacked, as is one where packing is unsupported."""
+        extra = 4 * sum(p.numel() for name, p in self.named_parameters() if name.endswith("proj.weight"))
+        extra += 4 * self.lm_head.weight.numel()
+        memory = physical_memory()
+        if not packing_supported(self.lm_head.weight) or (memory is not None and extra > memory // 4):
+            return self
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
