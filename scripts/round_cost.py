@@ -75,7 +75,7 @@ def main() -> None:
         verify, plain = torch.tensor([ids[-1:] + [ids[-1]] * g]), torch.tensor([ids[-1:]])
         n = args.repeats
         propose = median_ms(lambda: drafter.propose(request), n)
-        parts = {"block forward": median_ms(block, n), "LM head": median_ms(lambda: target.lm_head(h), n)}
+        parts = {"block forward": median_ms(block, n), "LM head": median_ms(lambda: target.lm_head(h.to(target.dtype)), n)}
         print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, packed={target.packed}")
         print(f"  propose ({g} drafts)        {propose:7.2f} ms")
         for name, ms in parts.items():

@@ -19,7 +19,7 @@ from verispec.cache import KVCache
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
 from verispec.errors import CheckpointError
 from verispec.model.block import BlockConfig, BlockDraftModel
-from verispec.model.packing import pack_linears
+from verispec.model.packing import cpu_has_native_bf16, pack_linears
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -168,11 +168,16 @@ def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
         if state[k].shape != v.shape:
             raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
     model.load_state_dict({k: v.float() for k, v in state.items()})
-    # The drafter computes in the target's dtype: bf16 matmuls for a bf16 target (about 2x fp32 on CPUs with
-    # native bf16), fp32 for an fp32 target (exactness tests, CPUs without native bf16).
+    # The drafter computes in the target's dtype (bf16 matmuls are about 2x fp32 on CPUs with native bf16),
+    # except for a bf16 target on a CPU without native bf16: there its many one-row ops (the head loop) are
+    # slower in bf16 and its multi-row matmuls run in fp32 anyway (model.packing), so it computes in fp32. Its
+    # precision never changes the output, only which drafts are proposed.
     calibration = path / "calibration.json"
     temps = json.loads(calibration.read_text()).get("sts_temperatures") if calibration.is_file() else None
-    model = model.to(device=target.device, dtype=target.dtype)
+    dtype = target.dtype
+    if dtype == torch.bfloat16 and target.device.type == "cpu" and not cpu_has_native_bf16():
+        dtype = torch.float32
+    model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
     pack_linears(model)  # loaded for inference: fp32 CPU matmuls on packed weights
     return BlockDrafter(model, target, temps)

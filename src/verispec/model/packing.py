@@ -30,12 +30,17 @@ PACK_ROWS = 16
 BF16_MIN_ROWS = 3
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN has native bf16 kernels on this CPU (AVX512-BF16, AMX or AVX-NE-CONVERT)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def packing_supported(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.float32:
         return True
-    return weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.bfloat16 and not cpu_has_native_bf16()
 
 
 def physical_memory() -> int | None:
