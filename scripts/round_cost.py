@@ -49,7 +49,8 @@ def main() -> None:
     width, g = len(ids) - 1, model.config.block_size
     with torch.inference_mode():
         cache = KVCache.for_model(target, max_len=len(ids) + g + 1)
-        _, hidden = target(torch.tensor([ids[:-1]]), cache=cache, num_logits=0, hidden_layers=drafter.needs_hidden_layers)
+        layers = drafter.needs_hidden_layers
+        _, hidden = target(torch.tensor([ids[:-1]]), cache=cache, num_logits=0, hidden_layers=layers)
         drafter.start(0, ids)
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})
         ctx_cache = drafter._ctx[0]
@@ -69,13 +70,14 @@ def main() -> None:
             ctx_cache.truncate(width)
 
         def step(tokens):
-            target(tokens, cache=cache, hidden_layers=drafter.needs_hidden_layers)
+            target(tokens, cache=cache, hidden_layers=layers)
             cache.truncate(width)
 
         verify, plain = torch.tensor([ids[-1:] + [ids[-1]] * g]), torch.tensor([ids[-1:]])
         n = args.repeats
         propose = median_ms(lambda: drafter.propose(request), n)
-        parts = {"block forward": median_ms(block, n), "LM head": median_ms(lambda: target.lm_head(h.to(target.dtype)), n)}
+        head = median_ms(lambda: target.lm_head(h.to(target.dtype)), n)
+        parts = {"block forward": median_ms(block, n), "LM head": head}
         print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, packed={target.packed}")
         print(f"  propose ({g} drafts)        {propose:7.2f} ms")
         for name, ms in parts.items():

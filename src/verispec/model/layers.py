@@ -144,7 +144,8 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         nq, nkv = self.num_heads, self.num_kv_heads
         if self.qkv_weight is not None:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(bsz, seqlen, nq + 2 * nkv, self.head_dim)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+            qkv = qkv.view(bsz, seqlen, nq + 2 * nkv, self.head_dim)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(
                 bsz, seqlen, nq + 2 * nkv, self.head_dim

@@ -1,15 +1,16 @@
 """Inference matmuls on CPU through weights packed once into oneDNN's blocked layout.
 
 A plain `F.linear` re-packs the weight on every call. At the few rows of a verify step that repacking is most of the
-cost: on a 2-vCPU AVX2 machine the shipped target's matmuls take about 18 ms for 1 row and 35-46 ms for 4-9 rows,
-against 12 / 15 ms with the weights packed once (`verispec profile --dtype fp32` against `--no-pack`). Verifying
-8 drafts then costs about one plain step, which is what lets speculation pay on such a CPU at all.
+cost: on a 2-vCPU AVX2 machine a forward of the shipped target over 1 / 8 / 16 positions takes 23.9 / 36.7 / 40.6
+ms unpacked against 13.6 / 22.2 / 25.6 ms with the weights packed once (`verispec profile --dtype fp32` against
+`--no-pack`). Verifying 8 drafts then costs ~1.5 plain steps instead of ~2.6, which is what lets speculation pay
+on such a CPU.
 
 bf16 on a CPU without native bf16 (no AVX512-BF16 / AVX-NE-CONVERT, where oneDNN cannot pack bf16 and its bf16
 matmul is linear in rows): the pack is the weight's exact fp32 upcast; a multi-row product runs on it with the
 input upcast and the output rounded back to bf16, which is a bf16 matmul (bf16 operands, fp32 accumulation, bf16
-result) in another summation order. One or two rows stay on bf16 `F.linear`: it reads half the bytes. With native bf16
-nothing is packed; oneDNN's own bf16 path is fast there.
+result) in another summation order. One or two rows stay on bf16 `F.linear`: it reads half the bytes. With
+native bf16 nothing is packed; oneDNN's own bf16 path is fast there.
 
 Packing is for frozen weights at inference (the op has no autograd): `linear` falls back to `F.linear` whenever a
 gradient is wanted, the input is in another dtype or off the CPU, or the weight was changed or moved after packing.
