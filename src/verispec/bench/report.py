@@ -14,7 +14,7 @@ def _round_ms(r: dict) -> str:
     return f"{r['round_ms']:.1f} ({r['draft_ms']:.1f})" if "round_ms" in r else "-"  # older results.json lack it
 
 
-def _decode(r: dict, key: str, fmt: str) -> str:
+def _optional(r: dict, key: str, fmt: str) -> str:
     return fmt.format(r[key]) if key in r else "-"  # older results.json lack the prefill split
 
 
@@ -47,8 +47,8 @@ def summary_markdown(report: dict) -> str:
             f"{r['num_diverged']}/{r['num_prompts']} diverged ({r['num_diverged_at_near_tie']} at a near-tie)")
         lines.append(f"| {r['task']} | {r['method']} | {r['k']} | {_fmt(r['tau'])} | {_fmt(r['acceptance_rate'])} | "
                      f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {_round_ms(r)} | "
-                     f"{_decode(r, 'plain_step_ms', '{:.1f}')} | **{_fmt(r['speedup_vs_plain'])}x** | "
-                     f"{_decode(r, 'decode_speedup_vs_plain', '{:.2f}x')} | {eq} |")
+                     f"{_optional(r, 'plain_step_ms', '{:.1f}')} | **{_fmt(r['speedup_vs_plain'])}x** | "
+                     f"{_optional(r, 'decode_speedup_vs_plain', '{:.2f}x')} | {eq} |")
     lines += ["", "Best per task: " + _best(report["records"], "speedup_vs_plain")]
     if all("decode_speedup_vs_plain" in r for r in report["records"]):
         lines.append("Best decode speedup per task: " + _best(report["records"], "decode_speedup_vs_plain"))

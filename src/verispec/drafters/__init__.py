@@ -18,6 +18,7 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 
 __all__ = [
-    "BENCH_SPECS", "BlockDrafter", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "LookupFirstDrafter", "ModelDrafter", "NgramDrafter", "Verified",
+    "BENCH_SPECS", "BlockDrafter", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "LookupFirstDrafter",
+    "ModelDrafter", "NgramDrafter", "Verified",
     "build_drafter", "register_drafter",
 ]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.drafters.base import BENCH_SPECS, EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter, register_drafter
+from verispec.drafters.base import (
+    BENCH_SPECS, EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter, register_drafter,
+)
 from verispec.drafters.ngram import lookup
 from verispec.errors import ConfigError
 
