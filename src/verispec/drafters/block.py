@@ -19,7 +19,8 @@ from verispec.cache import KVCache
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
 from verispec.errors import CheckpointError
 from verispec.model.block import BlockConfig, BlockDraftModel
-from verispec.model.packing import PackedLinear, cpu_has_native_bf16, pack_linears
+from verispec.kernels import native
+from verispec.model.packing import PackedLinear, cpu_has_native_bf16, pack_linears, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -40,6 +41,7 @@ class BlockDrafter(Drafter):
         dtype = next(model.parameters()).dtype
         cpu = self.target.device.type == "cpu"
         self._ctx_dtype = torch.float32 if dtype == torch.bfloat16 and cpu else dtype
+        self._markov: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _native_markov
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
         cfg = self.target.config
@@ -81,45 +83,81 @@ class BlockDrafter(Drafter):
         ctx = [(_rows([c.k[layer, :, :, :width] for c in caches]), _rows([c.v[layer, :, :, :width] for c in caches]))
                for layer in range(cfg.num_layers)]  # per layer [R, Hkv, width, D]
         anchor_pos = torch.tensor(pos, device=device)
-        mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
+        # One request sees its whole context (width is its anchor position): no mask, the kernel's unmasked path.
+        mask = None
+        if len(live) > 1:
+            mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
         anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
         h = self.model.block_hidden(self.target.model.embed_tokens, anchors, anchor_pos, ctx, mask)  # [R, G, d]
         # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
         span = max(budgets[i] for i in live)
         base = self.target.lm_head(h[:, :span].to(self.target.dtype)).float()  # [R, span, V] the block logits U
-        if cfg.confidence:  # c_j from h_j and x_{j-1} only: never from the token about to be drawn
+        if cfg.confidence:
             conf_h, conf_prev = self.model.confidence_terms(h[:, :span])  # [R, span], [V]
+        anchor_ids = anchors.tolist()
         tokens: list[list[int]] = [[] for _ in live]
-        rows: list[list[torch.Tensor]] = [[] for _ in live]
-        conf: list[list[torch.Tensor]] = [[] for _ in live]
-        prev = anchors
-        for j in range(span):
+        probs: list[torch.Tensor | None] = [None] * len(live)
+        looped = []  # rows drafted by the torch head loop below: sampled ones, or greedy without the native kernel
+        fast = self._native_markov() if cfg.head == "markov" else None
+        for row, i in enumerate(live):
+            if not requests[i].params.greedy:
+                looped.append(row)
+            elif cfg.head == "none":  # parallel: every position is independent
+                tokens[row] = base[row, : budgets[i]].argmax(-1).tolist()
+            elif fast is not None:
+                tokens[row] = native.markov_greedy(base[row, : budgets[i]], *fast, anchor_ids[row])
+            else:
+                looped.append(row)
+        if looped:
+            self._head_loop([requests[live[row]] for row in looped], [budgets[live[row]] for row in looped],
+                            base[looped], anchors[looped], [tokens[row] for row in looped], probs, looped)
+        for row, i in enumerate(live):
+            conf = None
+            if cfg.confidence:  # c_j from h_j and x_{j-1} only: never from the token about to be drawn
+                prev = torch.tensor([anchor_ids[row], *tokens[row][:-1]], device=device)
+                temps = torch.tensor([self._temperature(j) for j in range(len(tokens[row]))], device=device)
+                conf = torch.sigmoid((conf_h[row, : len(prev)] + conf_prev[prev]).float() / temps)
+            drafts[i] = Draft(tokens[row], probs[row], conf)
+        return drafts
+
+    def _head_loop(self, requests, budgets, base, prev, tokens, probs, rows) -> None:
+        """Draft left to right in torch, all given requests together: x_j from U_j plus (markov) the transition
+        bias of x_{j-1}, argmax or sampled from q_j = probs_for(logits) with each request's own generator.
+        Appends to tokens[n]; sets probs[rows[n]] to the [budget, V] draft distribution of sampled requests."""
+        qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        for j in range(max(budgets)):
             logits = base[:, j]
-            if cfg.head == "markov":
+            if self.model.config.head == "markov":
                 logits = logits + self.model.markov_bias(prev).float()
-            c = None
-            if cfg.confidence:
-                c = torch.sigmoid((conf_h[:, j] + conf_prev[prev]).float() / self._temperature(j))
             nxt = prev.clone()
-            for row, i in enumerate(live):
-                r = requests[i]
-                if j >= budgets[i]:
+            for n, r in enumerate(requests):
+                if j >= budgets[n]:
                     continue
                 if r.params.greedy:
-                    tok = int(logits[row].argmax())
+                    tok = int(logits[n].argmax())
                 else:
-                    q = probs_for(logits[row], r.params)
+                    q = probs_for(logits[n], r.params)
                     tok = int(sample(q, r.generator))
-                    rows[row].append(q)
-                if c is not None:
-                    conf[row].append(c[row])
-                tokens[row].append(tok)
-                nxt[row] = tok
+                    qs[n].append(q)
+                tokens[n].append(tok)
+                nxt[n] = tok
             prev = nxt
-        for row, i in enumerate(live):
-            drafts[i] = Draft(tokens[row], torch.stack(rows[row]) if rows[row] else None,
-                              torch.stack(conf[row]) if conf[row] else None)
-        return drafts
+        for n, row in enumerate(rows):
+            if qs[n]:
+                probs[row] = torch.stack(qs[n])
+
+    def _native_markov(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(W1, W2^T) for the native greedy head loop, made once (remade if the weights change); None where the
+        kernel is unavailable or the drafter is not fp32 on the CPU."""
+        w1, w2 = self.model.markov_in.weight, self.model.markov_out.weight
+        if w1.device.type != "cpu" or w1.dtype != torch.float32 or w2.dtype != torch.float32:
+            return None
+        if not native.available():
+            return None
+        key = (w1.data_ptr(), weight_version(w1), w2.data_ptr(), weight_version(w2))
+        if self._markov is None or self._markov[0] != key:
+            self._markov = (key, w1.detach().contiguous(), w2.detach().t().contiguous())
+        return self._markov[1], self._markov[2]
 
     def _temperature(self, j: int) -> float:
         return self.temperatures[j] if j < len(self.temperatures) else 1.0

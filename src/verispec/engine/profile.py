@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ import torch
 
 from verispec.cache import KVCache, PackedBatch
 from verispec.model.transformer import Transformer
+from verispec.paths import user_cache
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -62,12 +62,12 @@ def profile_key(target: Transformer) -> dict:
         "threads": torch.get_num_threads(),
         "device": str(target.device),
         "packed": target.packed,
+        "matmuls": target.matmuls,
     }
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("VERISPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "verispec")
-    return Path(root) / "profiles"
+    return user_cache("profiles")
 
 
 def cache_path(key: dict) -> Path:

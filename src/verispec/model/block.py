@@ -26,6 +26,7 @@ from torch import nn
 from verispec.cache import KVCache
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
+from verispec.kernels import native
 from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 
 HEADS = ("none", "markov")
@@ -88,7 +89,11 @@ class _BlockLayer(nn.Module):
         # Attention runs in the context's dtype: fp32 for a bf16 drafter on CPU, where bf16 attention is slow.
         k = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
         v = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
-        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=ctx_mask, enable_gqa=self.nq != self.nkv)
+        q = q.to(k.dtype)
+        if ctx_mask is None and native.attention_supported(q, k, v):
+            out = native.attention(q, k, v, causal=False)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask, enable_gqa=self.nq != self.nkv)
         x = x + self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(b, g, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -14,6 +14,7 @@ from torch import nn
 from verispec.cache.packed import PackedBatch
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
+from verispec.kernels import native
 from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
 
 
@@ -164,6 +165,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, Hkv, S, D] with S = cached + T, in the cache's dtype
             q = q.to(k.dtype)
+        if native.attention_supported(q, k, v):  # every mask here is causal after the cache (causal_mask)
+            return native.attention(q, k, v, causal=True).to(dtype)
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)

@@ -1,19 +1,25 @@
-"""Inference matmuls on CPU through weights packed once into oneDNN's blocked layout.
+"""Inference matmuls on CPU through weights packed once at load.
 
-A plain `F.linear` re-packs the weight on every call. At the few rows of a verify step that repacking is most of the
-cost: on a 2-vCPU AVX2 machine a forward of the shipped target over 1 / 8 / 16 positions takes 23.9 / 36.7 / 40.6
-ms unpacked against 13.6 / 22.2 / 25.6 ms with the weights packed once (`verispec profile --dtype fp32` against
-`--no-pack`). Verifying 8 drafts then costs ~1.5 plain steps instead of ~2.6, which is what lets speculation pay
-on such a CPU.
+A plain `F.linear` re-packs the weight on every call, and on a CPU without native bf16 its bf16 matmul is linear in
+rows. At the few rows of a decode or verify step that is most of a forward's cost. Two packed paths, chosen per
+weight when it is packed:
 
-bf16 on a CPU without native bf16 (no AVX512-BF16 / AVX-NE-CONVERT, where oneDNN cannot pack bf16 and its bf16
-matmul is linear in rows): the pack is the weight's exact fp32 upcast; a multi-row product runs on it with the
-input upcast and the output rounded back to bf16, which is a bf16 matmul (bf16 operands, fp32 accumulation, bf16
-result) in another summation order. One or two rows stay on bf16 `F.linear`: it reads half the bytes. With
-native bf16 nothing is packed; oneDNN's own bf16 path is fast there.
+- `native` (CPUs with AVX2 + FMA, where verispec.kernels.native builds): verispec's own kernel over a blocked
+  copy of the weight in its own dtype (fp32 or bf16, fp32 accumulation). Every row is computed in one fixed order
+  whatever the row count, so a verify step gives each token the matmul results a one-token step gives it. The
+  shipped target's matmuls, bf16 on a 2-vCPU AVX2 machine: 2.95 / 4.64 / 8.49 ms for 1 / 9 / 16 rows, against
+  3.85 ms for bf16 `F.linear` at one row and 10.9 / 13.6 ms for oneDNN's fp32 packs at 9 / 16 (fp32 weights:
+  4.56 / 6.76 / 9.97 ms against oneDNN's 7.28 / 10.21 / 13.36).
+- `onednn` (elsewhere, where oneDNN packs): the weight packed into oneDNN's blocked layout. For bf16 on a CPU
+  without native bf16 (oneDNN cannot pack bf16 there) the pack is the weight's exact fp32 upcast, used from
+  BF16_MIN_ROWS rows with the input upcast and the output rounded back to bf16 (a bf16 matmul in another summation
+  order); fewer rows stay on bf16 `F.linear`, which reads half the bytes.
 
-Packing is for frozen weights at inference (the op has no autograd): `linear` falls back to `F.linear` whenever a
-gradient is wanted, the input is in another dtype or off the CPU, or the weight was changed or moved after packing.
+With native bf16 (AVX512-BF16, AMX) bf16 weights are not packed: oneDNN's own bf16 path is fast there.
+
+Packing is for frozen weights at inference (neither path has autograd): `linear` falls back to `F.linear` whenever
+a gradient is wanted, the input is in another dtype or off the CPU, or the weight was changed or moved after
+packing.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from verispec.kernels import native
 
 # The row count oneDNN tunes the layout for: a verify step of 8 drafts is 9 rows, a block drafter's 8-16.
 PACK_ROWS = 16
@@ -36,12 +44,29 @@ def cpu_has_native_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def packing_supported(weight: torch.Tensor) -> bool:
+def _onednn_packs(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and not cpu_has_native_bf16()
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and not cpu_has_native_bf16())
+
+
+def _native_packs(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if weight.dtype == torch.bfloat16 and cpu_has_native_bf16():
+        return False
+    return native.available()
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    return _native_packs(weight) or _onednn_packs(weight)
+
+
+def pack_nbytes(weight: torch.Tensor) -> int:
+    """Memory a pack of this weight takes: a copy in its own dtype (native) or in fp32 (oneDNN)."""
+    if not packing_supported(weight):
+        return 0
+    return weight.numel() * (weight.element_size() if _native_packs(weight) else 4)
 
 
 def physical_memory() -> int | None:
@@ -52,28 +77,44 @@ def physical_memory() -> int | None:
         return None
 
 
-def _version(t: torch.Tensor) -> int | None:
+def weight_version(t: torch.Tensor) -> int | None:
     # Tensors made under inference_mode keep no version counter (and cannot be changed outside it).
     return None if t.is_inference() else t._version
 
 
 class PackedWeight:
-    """A packed fp32 copy of one weight [out, in], valid while that weight's storage and version are unchanged."""
+    """A packed copy of one weight [out, in], valid while that weight's storage and version are unchanged."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), PACK_ROWS)
+        w = weight.detach()
+        self.kind = "native" if _native_packs(weight) else "onednn"
+        if self.kind == "native":
+            self.packed = native.pack(w)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_ROWS)
         self.dtype = weight.dtype
-        self._ptr, self._version = weight.data_ptr(), _version(weight)
+        self.out_features = weight.shape[0]
+        self._ptr, self._version = weight.data_ptr(), weight_version(weight)
+        self._bias: tuple[int, int | None, torch.Tensor] | None = None  # (ptr, version, padded fp32 copy)
 
     def usable(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         return (
             weight.data_ptr() == self._ptr
-            and _version(weight) == self._version
+            and weight_version(weight) == self._version
             and weight.dtype == x.dtype == self.dtype
             and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and (self.dtype == torch.float32 or x.numel() >= BF16_MIN_ROWS * x.shape[-1])
+            and (self.kind == "native" or self.dtype == torch.float32 or x.numel() >= BF16_MIN_ROWS * x.shape[-1])
         )
+
+    def native_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The kernel's fp32, padded copy of `bias`, made once and remade if the bias changes."""
+        if bias is None:
+            return None
+        key = (bias.data_ptr(), weight_version(bias))
+        if self._bias is None or self._bias[:2] != key:
+            self._bias = (*key, native.pad_bias(bias.detach()))
+        return self._bias[2]
 
 
 def pack(weight: torch.Tensor | None) -> PackedWeight | None:
@@ -85,6 +126,8 @@ def linear(
 ) -> torch.Tensor:  # x [..., in] -> [..., out]
     if packed is None or not packed.usable(weight, x):
         return F.linear(x, weight, bias)
+    if packed.kind == "native":
+        return native.linear(x, packed.packed, packed.out_features, packed.native_bias(bias))
     b = None if bias is None else bias.float()
     return torch.ops.mkldnn._linear_pointwise(x.float(), packed.packed, b, "none", [], "").to(x.dtype)
 
@@ -104,7 +147,8 @@ class PackedLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed is not None}"
+        kind = self.packed.kind if self.packed is not None else None
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={kind}"
 
 
 def pack_linears(module: nn.Module) -> int:

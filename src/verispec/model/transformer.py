@@ -11,7 +11,7 @@ from torch import nn
 from verispec.cache import KVCache, PackedBatch, causal_mask
 from verispec.config import ModelConfig
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from verispec.model.packing import PackedLinear, packing_supported, physical_memory
+from verispec.model.packing import PackedLinear, pack_nbytes, packing_supported, physical_memory
 
 
 @contextmanager
@@ -58,11 +58,11 @@ class Transformer(nn.Module):
 
     def pack_weights(self) -> Transformer:
         """Inference only, after fuse_projections: CPU matmuls use weights packed once (model.packing), which makes
-        a forward over 2-16 rows cost little more than one over a single row. The packs are fp32 copies, 4 bytes per
-        matmul weight on top of the model: a model whose packs would take over a quarter of this machine's memory
-        is left unpacked, as is one where packing is unsupported."""
-        extra = 4 * sum(p.numel() for name, p in self.named_parameters() if name.endswith("proj.weight"))
-        extra += 4 * self.lm_head.weight.numel()
+        a forward over 2-16 rows cost little more than one over a single row. The packs are copies of the matmul
+        weights on top of the model (pack_nbytes): a model whose packs would take over a quarter of this machine's
+        memory is left unpacked, as is one where packing is unsupported."""
+        weights = [p for name, p in self.named_parameters() if name.endswith("proj.weight")] + [self.lm_head.weight]
+        extra = sum(pack_nbytes(w) for w in weights)
         memory = physical_memory()
         if not packing_supported(self.lm_head.weight) or (memory is not None and extra > memory // 4):
             return self
@@ -80,6 +80,11 @@ class Transformer(nn.Module):
     def packed(self) -> bool:
         """Whether pack_weights packed this model's matmuls (false where packing is unsupported)."""
         return isinstance(self.lm_head, PackedLinear) and self.lm_head.packed is not None
+
+    @property
+    def matmuls(self) -> str:
+        """Which matmuls this model runs: "native" or "onednn" packs (model.packing), or "torch" (F.linear)."""
+        return self.lm_head.packed.kind if self.packed else "torch"
 
     @property
     def device(self) -> torch.device:

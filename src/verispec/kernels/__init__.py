@@ -1,0 +1,1 @@
+"""verispec's own compute kernels (see native)."""

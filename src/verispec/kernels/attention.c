@@ -1,0 +1,191 @@
+/* Attention of a few new queries over a KV cache, fp32, AVX2 + FMA, for decode and verify steps on CPU.
+ *
+ * out[b, t, h] = softmax_s(scale * q[b, t, h] . k[b, h / G, s]) @ v[b, h / G, s], over keys s < limit(t):
+ * limit(t) = causal_from + t + 1 (capped at S), or every key when causal_from < 0. G = H / Hkv query heads share a
+ * key/value head (GQA). Each (b, t, h) is computed alone, in one fixed order that depends only on its own limit,
+ * so a query's result does not depend on how many other queries are in the call, nor on the thread count.
+ *
+ * q: rows of D floats at q + b * qsb + t * qst + h * qsh; k, v: rows at b * ksb + g * ksh + s * kss (the cache's
+ * [B, Hkv, S_max, D] layout; k and v share strides); out: contiguous [B, T, H, D]. D must be a multiple of 8. Returns 0, -1 if out of
+ * memory, -2 for unsupported shapes. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* exp(x) for x <= 0 to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial. */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Eight horizontal sums at once: lane j is ((a_j0 + a_j1) + (a_j2 + a_j3)) + ((a_j4 + a_j5) + (a_j6 + a_j7)). */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+
+/* One horizontal sum in hsum8's order, so a key's score is the same whether it falls in a full block of 8. */
+static inline float hsum(__m256 v) {
+    float x[8];
+    _mm256_storeu_ps(x, v);
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+/* scores[s] = scale * q . k[s] for s in [s0, s0 + 8) (full) or [s0, end) (the last keys of the cache). */
+static inline void scores8(const float *q, const float *k, int64_t kss, int64_t D, int64_t s0, int64_t end,
+                           float scale, float *scores) {
+    if (s0 + 8 <= end) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (s0 + j) * kss + d), a[j]);
+        }
+        _mm256_storeu_ps(scores + s0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+        return;
+    }
+    for (int64_t s = s0; s < end; s++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * kss + d), a);
+        scores[s] = hsum(a) * scale;
+    }
+}
+
+/* acc[0, 8 * vecs) += sum_{s in [s0, s1)} p[s] v[s, 0, 8 * vecs), in order of s; `vecs` is a constant at each call
+ * site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv(const int vecs, const float *p, const float *v, int64_t kss,
+                                                      int64_t s0, int64_t s1, float *acc_mem) {
+    __m256 acc[8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < vecs; i++) acc[i] = _mm256_loadu_ps(acc_mem + 8 * i);
+    for (int64_t s = s0; s < s1; s++) {
+        const __m256 ps = _mm256_broadcast_ss(p + s);
+        _Pragma("GCC unroll 8") for (int i = 0; i < vecs; i++)
+            acc[i] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(v + s * kss + 8 * i), acc[i]);
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < vecs; i++) _mm256_storeu_ps(acc_mem + 8 * i, acc[i]);
+}
+
+static void pv_any(int64_t D, const float *p, const float *v, int64_t kss, int64_t s0, int64_t s1, float *acc) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        switch ((D - d0 >= 64 ? 64 : D - d0) / 8) {
+            case 1: pv(1, p, v + d0, kss, s0, s1, acc + d0); break;
+            case 2: pv(2, p, v + d0, kss, s0, s1, acc + d0); break;
+            case 3: pv(3, p, v + d0, kss, s0, s1, acc + d0); break;
+            case 4: pv(4, p, v + d0, kss, s0, s1, acc + d0); break;
+            case 5: pv(5, p, v + d0, kss, s0, s1, acc + d0); break;
+            case 6: pv(6, p, v + d0, kss, s0, s1, acc + d0); break;
+            case 7: pv(7, p, v + d0, kss, s0, s1, acc + d0); break;
+            default: pv(8, p, v + d0, kss, s0, s1, acc + d0); break;
+        }
+    }
+}
+
+#define KEY_CHUNK 32 /* keys of V (8 KB at D = 64) kept in L1 while every query of the group reads them */
+
+/* All nq queries that share one key/value head: scores block by block of keys (each block read once from L2 for
+ * every query), then each query's softmax, then p @ V chunk by chunk. n[i]: keys query i sees; qs[i]: its
+ * vector; o[i]: its output row; p: nq rows of sp floats. */
+static void group(const float *const *qs, float *const *o, const int64_t *n, int64_t nq, const float *k,
+                  const float *v, int64_t kss, int64_t D, int64_t S, float scale, float *p, int64_t sp) {
+    int64_t nmax = 0;
+    for (int64_t i = 0; i < nq; i++) nmax = n[i] > nmax ? n[i] : nmax;
+    for (int64_t s0 = 0; s0 < nmax; s0 += 8)
+        for (int64_t i = 0; i < nq; i++)
+            if (n[i] > s0) scores8(qs[i], k, kss, D, s0, S, scale, p + i * sp);
+    for (int64_t i = 0; i < nq; i++) {
+        float *pi = p + i * sp;
+        const int64_t ni = n[i], n8 = (ni + 7) & ~(int64_t)7;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        int64_t s = 0;
+        for (; s + 8 <= ni; s += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(pi + s));
+        float m = hmax(mv);
+        for (; s < ni; s++) m = pi[s] > m ? pi[s] : m;
+        for (s = ni; s < n8; s++) pi[s] = -INFINITY;
+        mv = _mm256_set1_ps(m);
+        __m256 lsum = _mm256_setzero_ps();
+        for (s = 0; s < n8; s += 8) {
+            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(pi + s), mv));
+            if (s + 8 > ni) { /* lanes past n contribute nothing */
+                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ni - s)), lane)));
+            }
+            _mm256_storeu_ps(pi + s, e);
+            lsum = _mm256_add_ps(lsum, e);
+        }
+        const float inv = 1.0f / hsum(lsum);
+        for (s = 0; s < ni; s++) pi[s] *= inv; /* normalised weights: p @ V is then the output itself */
+        for (int64_t d = 0; d < D; d++) o[i][d] = 0.0f;
+    }
+    for (int64_t s0 = 0; s0 < nmax; s0 += KEY_CHUNK)
+        for (int64_t i = 0; i < nq; i++)
+            if (n[i] > s0) pv_any(D, p + i * sp, v, kss, s0, n[i] < s0 + KEY_CHUNK ? n[i] : s0 + KEY_CHUNK, o[i]);
+}
+
+int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
+                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
+                 float *out, int64_t causal_from, float scale, int threads) {
+    if (D % 8 != 0 || Hkv <= 0 || H % Hkv != 0) return -2;
+    const int64_t G = H / Hkv, units = B * Hkv, nq = G * T, sp = (S + 7) & ~(int64_t)7;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        float *p = (float *)malloc((size_t)(nq * sp) * sizeof(float));
+        const float **qs = (const float **)malloc((size_t)nq * sizeof(float *));
+        float **o = (float **)malloc((size_t)nq * sizeof(float *));
+        int64_t *n = (int64_t *)malloc((size_t)nq * sizeof(int64_t));
+        if (!p || !qs || !o || !n) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (!p || !qs || !o || !n) continue;
+            const int64_t b = u / Hkv, g = u % Hkv;
+            int64_t live = 0;
+            for (int64_t t = 0; t < T; t++) {
+                int64_t nt = causal_from < 0 ? S : causal_from + t + 1;
+                nt = nt > S ? S : nt;
+                for (int64_t j = 0; j < G; j++) {
+                    const int64_t h = g * G + j;
+                    float *oi = out + ((b * T + t) * H + h) * D;
+                    if (nt <= 0) { /* no key visible: zeros, where softmax over nothing is undefined */
+                        for (int64_t d = 0; d < D; d++) oi[d] = 0.0f;
+                        continue;
+                    }
+                    qs[live] = q + b * qsb + t * qst + h * qsh;
+                    o[live] = oi;
+                    n[live++] = nt;
+                }
+            }
+            group(qs, o, n, live, k + b * ksb + g * ksh, v + b * ksb + g * ksh, kss, D, S, scale, p, sp);
+        }
+        free(p);
+        free(qs);
+        free(o);
+        free(n);
+    }
+    return failed ? -1 : 0;
+}
