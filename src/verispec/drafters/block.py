@@ -20,7 +20,7 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Ve
 from verispec.errors import CheckpointError
 from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.kernels import native
-from verispec.model.packing import PackedLinear, cpu_has_native_bf16, pack_linears, weight_version
+from verispec.model.packing import PackedLinear, cpu_has_native_bf16, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -41,7 +41,7 @@ class BlockDrafter(Drafter):
         dtype = next(model.parameters()).dtype
         cpu = self.target.device.type == "cpu"
         self._ctx_dtype = torch.float32 if dtype == torch.bfloat16 and cpu else dtype
-        self._markov: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _native_markov
+        self._cache: dict[str, tuple[tuple, object]] = {}  # see _derived
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
         cfg = self.target.config
@@ -80,12 +80,13 @@ class BlockDrafter(Drafter):
                                    f"the anchor is at {p}")
         width = max(pos)
         caches = [self._ctx[requests[i].seq_id] for i in live]
-        ctx = [(_rows([c.k[layer, :, :, :width] for c in caches]), _rows([c.v[layer, :, :, :width] for c in caches]))
-               for layer in range(cfg.num_layers)]  # per layer [R, Hkv, width, D]
         anchor_pos = torch.tensor(pos, device=device)
-        # One request sees its whole context (width is its anchor position): no mask, the kernel's unmasked path.
-        mask = None
-        if len(live) > 1:
+        if len(live) == 1:  # its cache as is (the block's keys/values go after its entries) and no mask
+            ctx: KVCache | list = caches[0]
+            mask = None
+        else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
+            ctx = [(torch.cat([c.k[layer, :, :, :width] for c in caches]),
+                    torch.cat([c.v[layer, :, :, :width] for c in caches])) for layer in range(cfg.num_layers)]
             mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
         anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
         h = self.model.block_hidden(self.target.model.embed_tokens, anchors, anchor_pos, ctx, mask)  # [R, G, d]
@@ -93,7 +94,9 @@ class BlockDrafter(Drafter):
         span = max(budgets[i] for i in live)
         base = self.target.lm_head(h[:, :span].to(self.target.dtype)).float()  # [R, span, V] the block logits U
         if cfg.confidence:
-            conf_h, conf_prev = self.model.confidence_terms(h[:, :span])  # [R, span], [V]
+            conf_h = self.model.confidence_state_term(h[:, :span])  # [R, span]
+            conf_prev = self._derived("conf", (self.model.markov_in.weight, self.model.confidence_head.weight),
+                                      self.model.confidence_token_table)  # [V]
         anchor_ids = anchors.tolist()
         tokens: list[list[int]] = [[] for _ in live]
         probs: list[torch.Tensor | None] = [None] * len(live)
@@ -147,25 +150,25 @@ class BlockDrafter(Drafter):
                 probs[row] = torch.stack(qs[n])
 
     def _native_markov(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(W1, W2^T) for the native greedy head loop, made once (remade if the weights change); None where the
-        kernel is unavailable or the drafter is not fp32 on the CPU."""
+        """(W1, W2^T) for the native greedy head loop; None where the kernel is unavailable or the drafter is not
+        fp32 on the CPU."""
         w1, w2 = self.model.markov_in.weight, self.model.markov_out.weight
         if w1.device.type != "cpu" or w1.dtype != torch.float32 or w2.dtype != torch.float32:
             return None
         if not native.available():
             return None
-        key = (w1.data_ptr(), weight_version(w1), w2.data_ptr(), weight_version(w2))
-        if self._markov is None or self._markov[0] != key:
-            self._markov = (key, w1.detach().contiguous(), w2.detach().t().contiguous())
-        return self._markov[1], self._markov[2]
+        return self._derived("markov", (w1, w2), lambda: (w1.detach().contiguous(), w2.detach().t().contiguous()))
+
+    def _derived(self, name: str, sources: tuple[torch.Tensor, ...], make):
+        """make(), computed once from the drafter's frozen weights and remade if any of `sources` changes."""
+        key = tuple((t.data_ptr(), weight_version(t)) for t in sources)
+        hit = self._cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = self._cache[name] = (key, make())
+        return hit[1]
 
     def _temperature(self, j: int) -> float:
         return self.temperatures[j] if j < len(self.temperatures) else 1.0
-
-
-def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate per-request rows; a single request's cache slice is used as is (no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
@@ -217,9 +220,11 @@ def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
         dtype = torch.float32
     model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
-    # Loaded for inference: packed weights for the multi-row matmuls (block layers, context projection). The head
-    # loop's one-row layers stay on F.linear, faster there (zoo/dspark Markov head: 129 us against 153 us packed).
-    pack_linears(model.layers)
+    # Loaded for inference: fused, packed matmuls for the block layers and the context projection. The head loop's
+    # one-row layers stay on F.linear (oneDNN packs were slower there: zoo/dspark Markov head 129 us against 153
+    # us); with the native kernels the greedy head loop is one call (kernels/markov.c).
+    for layer in model.layers:
+        layer.fuse()
     model.fc = PackedLinear(model.fc)
     return BlockDrafter(model, target, temps)
 

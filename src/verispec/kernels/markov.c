@@ -4,46 +4,92 @@
  *
  * U: [span, V] block logits, rows ldu apart; w1: [V, r] (markov_in); w2t: [r, V] (markov_out's weight,
  * transposed); all fp32. Ties go to the lowest index and a NaN wins, as torch.argmax does. Writes span tokens.
- * Returns 0, or -1 if out of memory or a token is out of range. */
+ * The vocabulary is split over `threads` (the bias is 2 MB of W2 per position at V = 8192, r = 64: two cores
+ * read it twice as fast). Returns 0, or -1 if out of memory or a token is out of range. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define CHUNK 1024 /* columns of the bias accumulated at a time: 4 KB, stays in L1 across the r passes */
+#define MAX_THREADS 64
+
+/* argmax of U[v] + bias[v] over v in [v0, v1), by torch.argmax's rule; *best_v gets the value. */
+static int64_t argmax_range(const float *u, const float *e, const float *w2t, int64_t r, int64_t V, int64_t v0,
+                            int64_t v1, float *acc, float *best_v) {
+    int64_t best = -1;
+    float bv = 0.0f;
+    for (int64_t c0 = v0; c0 < v1; c0 += CHUNK) {
+        const int64_t n = v1 - c0 < CHUNK ? v1 - c0 : CHUNK;
+        for (int64_t v = 0; v < n; v++) acc[v] = 0.0f;
+        for (int64_t i = 0; i < r; i++) {
+            const float ei = e[i];
+            const float *w = w2t + i * V + c0;
+            for (int64_t v = 0; v < n; v++) acc[v] += ei * w[v];
+        }
+        for (int64_t v = 0; v < n; v++) {
+            const float x = u[c0 + v] + acc[v];
+            if (best < 0 || x > bv || (isnan(x) && !isnan(bv))) {
+                best = c0 + v;
+                bv = x;
+            }
+        }
+    }
+    *best_v = bv;
+    return best;
+}
 
 int vs_markov_greedy(const float *U, int64_t span, int64_t ldu, int64_t V, const float *w1, const float *w2t,
-                     int64_t r, int64_t anchor, int64_t *out) {
-    float *acc = (float *)malloc(CHUNK * sizeof(float));
-    if (!acc) return -1;
+                     int64_t r, int64_t anchor, int64_t *out, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (V / threads < CHUNK) threads = 1; /* small vocabularies: not worth a fork */
     int64_t prev = anchor;
     for (int64_t j = 0; j < span; j++) {
-        if (prev < 0 || prev >= V) {
-            free(acc);
-            return -1;
-        }
+        if (prev < 0 || prev >= V) return -1;
         const float *e = w1 + prev * r;
         const float *u = U + j * ldu;
-        int64_t best = -1;
-        float best_v = 0.0f;
-        for (int64_t v0 = 0; v0 < V; v0 += CHUNK) {
-            const int64_t n = V - v0 < CHUNK ? V - v0 : CHUNK;
-            for (int64_t v = 0; v < n; v++) acc[v] = 0.0f;
-            for (int64_t i = 0; i < r; i++) {
-                const float ei = e[i];
-                const float *w = w2t + i * V + v0;
-                for (int64_t v = 0; v < n; v++) acc[v] += ei * w[v];
+        int64_t idx[MAX_THREADS];
+        float val[MAX_THREADS];
+        int failed = 0;
+        /* each thread takes one contiguous range of the vocabulary; ranges are merged in order, so ties still go
+         * to the lowest index */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            int tid = 0, nt = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nt = omp_get_num_threads();
+#endif
+            const int64_t per = (V + nt - 1) / nt, v0 = tid * per, v1 = v0 + per < V ? v0 + per : V;
+            float *acc = (float *)malloc(CHUNK * sizeof(float));
+            idx[tid] = -1;
+            if (!acc) {
+#pragma omp atomic write
+                failed = 1;
+            } else if (v0 < v1) {
+                idx[tid] = argmax_range(u, e, w2t, r, V, v0, v1, acc, &val[tid]);
             }
-            for (int64_t v = 0; v < n; v++) {
-                const float x = u[v0 + v] + acc[v];
-                if (best < 0 || x > best_v || (isnan(x) && !isnan(best_v))) {
-                    best = v0 + v;
-                    best_v = x;
+            free(acc);
+#pragma omp barrier
+#pragma omp single
+            {
+                int64_t best = -1;
+                float bv = 0.0f;
+                for (int i = 0; i < nt; i++) {
+                    if (idx[i] < 0) continue;
+                    if (best < 0 || val[i] > bv || (isnan(val[i]) && !isnan(bv))) {
+                        best = idx[i];
+                        bv = val[i];
+                    }
                 }
+                out[j] = best;
             }
         }
-        out[j] = best;
-        prev = best;
+        if (failed) return -1;
+        prev = out[j];
     }
-    free(acc);
     return 0;
 }

@@ -80,7 +80,7 @@ def _load() -> ctypes.CDLL | None:
                   ctypes.c_float, cint]
     g = lib.vs_markov_greedy
     g.restype = ctypes.c_int
-    g.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr]
+    g.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, cint]
     return lib
 
 
@@ -156,7 +156,7 @@ def markov_greedy(
         raise ValueError("markov_greedy: block logits must be fp32 with contiguous rows")
     out = torch.empty(span, dtype=torch.int64)
     rc = lib.vs_markov_greedy(base.data_ptr(), span, base.stride(0), vocab, w1.data_ptr(), w2t.data_ptr(),
-                              w1.shape[1], anchor, out.data_ptr())
+                              w1.shape[1], anchor, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"markov_greedy: anchor or token out of range (vocabulary {vocab}) or out of memory")
     return out.tolist()

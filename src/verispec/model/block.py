@@ -27,7 +27,8 @@ from verispec.cache import KVCache
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 from verispec.kernels import native
-from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears
+from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
 
 HEADS = ("none", "markov")
 
@@ -68,27 +69,61 @@ class _BlockLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.register_buffer("qkv_weight", None, persistent=False)  # set by fuse()
+        self.qkv_packed: PackedWeight | None = None
+        self.kv_packed: PackedWeight | None = None
+
+    def fuse(self) -> None:
+        """Inference only: q/k/v become one matmul (k/v one for the context), gate/up one, all packed where
+        supported (model.packing); the parameters stay, as views of the fused weights."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)[0]
+        self.qkv_packed = pack(self.qkv_weight)
+        self.kv_packed = pack(self.qkv_weight[self.nq * self.head_dim :])
+        self.o_proj = PackedLinear(self.o_proj)
+        self.mlp.fuse()
+        self.mlp.pack()
+
+    def _project(self, x: torch.Tensor, with_q: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        if self.qkv_weight is None:
+            q = self.q_proj(x) if with_q else None
+            k, v = self.k_proj(x), self.v_proj(x)
+        elif with_q:
+            q, k, v = linear(x, self.qkv_weight, None, self.qkv_packed).split(
+                [self.nq * self.head_dim, self.nkv * self.head_dim, self.nkv * self.head_dim], dim=-1)
+        else:
+            q = None
+            k, v = linear(x, self.qkv_weight[self.nq * self.head_dim :], None, self.kv_packed).chunk(2, dim=-1)
+        shape = (b, t, -1, self.head_dim)
+        return None if q is None else q.view(shape), k.view(shape), v.view(shape)
+
+    def _rope_kv(self, k, v, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T, Hkv, D] -> [B, Hkv, T, D]
+        return apply_rope(self.k_norm(k), cos, sin).transpose(1, 2), v.transpose(1, 2)
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:  # x [B, T, d] -> [B, Hkv, T, D]
-        b, t, _ = x.shape
-        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(b, t, self.nkv, self.head_dim)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        _, k, v = self._project(x, with_q=False)
+        return self._rope_kv(k, v, cos, sin)
 
     def forward(
         self,
         x: torch.Tensor,  # [B, G, d] block
         cos, sin,  # [B, G, 1, D] block positions
-        ctx_k: torch.Tensor, ctx_v: torch.Tensor,  # [B, Hkv, S, D] context keys/values (RoPE applied)
+        ctx: tuple[torch.Tensor, torch.Tensor] | tuple[KVCache, int],  # context keys/values [B, Hkv, S, D]
+        # (RoPE applied), or a context cache and this layer's index in it
         ctx_mask: torch.Tensor | None,  # [B, 1, G, S + G] bool or None (everything visible)
     ) -> torch.Tensor:
         b, g, _ = x.shape
-        h = self.input_layernorm(x)
-        q = apply_rope(self.q_norm(self.q_proj(h).view(b, g, self.nq, self.head_dim)), cos, sin).transpose(1, 2)
-        k, v = self.kv(h, cos, sin)
+        q, k, v = self._project(self.input_layernorm(x), with_q=True)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k, v = self._rope_kv(k, v, cos, sin)
         # Attention runs in the context's dtype: fp32 for a bf16 drafter on CPU, where bf16 attention is slow.
-        k = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
-        v = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
+        if isinstance(ctx[0], KVCache):  # the block's keys/values go after the cache's entries, uncommitted
+            cache, index = ctx
+            k, v = cache.write(index, k.to(cache.k.dtype), v.to(cache.v.dtype))
+        else:
+            ctx_k, ctx_v = ctx
+            k = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
+            v = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
         q = q.to(k.dtype)
         if ctx_mask is None and native.attention_supported(q, k, v):
             out = native.attention(q, k, v, causal=False)
@@ -143,7 +178,8 @@ class BlockDraftModel(nn.Module):
         embed: nn.Embedding,
         anchors: torch.Tensor,  # [B] anchor token ids
         anchor_pos: torch.Tensor,  # [B] anchor positions
-        ctx: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [B, Hkv, S, D]
+        ctx: list[tuple[torch.Tensor, torch.Tensor]] | KVCache,  # per layer (k, v) [B, Hkv, S, D], or one
+        # sequence's context cache (B = 1): the block's keys/values are written after its entries, not committed
         ctx_mask: torch.Tensor | None = None,  # [B, 1, 1 or G, S] bool: which context positions each block sees
     ) -> torch.Tensor:  # [B, G, d] final-normed block states
         g = self.config.block_size
@@ -156,8 +192,8 @@ class BlockDraftModel(nn.Module):
         if ctx_mask is not None:  # the block always sees itself
             own = torch.ones(*ctx_mask.shape[:2], g, g, dtype=torch.bool, device=ctx_mask.device)
             mask = torch.cat([ctx_mask.expand(-1, -1, g, -1), own], dim=-1)
-        for layer, (k, v) in zip(self.layers, ctx):
-            x = layer(x, cos, sin, k, v, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, (ctx, i) if isinstance(ctx, KVCache) else ctx[i], mask)
         return self.norm(x)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V]
@@ -170,5 +206,12 @@ class BlockDraftModel(nn.Module):
         """confidence_logit(h, prev) = terms[0] + terms[1][prev]: the block-state term (bias included) for every
         position at once and a per-previous-token table, so a sequential head loop indexes instead of running a
         layer per position."""
-        w, d = self.confidence_head.weight[0], h.shape[-1]
-        return h @ w[:d] + self.confidence_head.bias[0], self.markov_in.weight.to(w.dtype) @ w[d:]
+        return self.confidence_state_term(h), self.confidence_token_table()
+
+    def confidence_state_term(self, h: torch.Tensor) -> torch.Tensor:  # [..., d] -> [...]
+        w = self.confidence_head.weight[0]
+        return h @ w[: h.shape[-1]] + self.confidence_head.bias[0]
+
+    def confidence_token_table(self) -> torch.Tensor:  # [V]: the W1[prev] term of every previous token
+        w = self.confidence_head.weight[0]
+        return self.markov_in.weight.to(w.dtype) @ w[w.shape[0] - self.config.markov_rank :]
