@@ -1,5 +1,6 @@
-"""Packed fp32 CPU matmuls (verispec.model.packing): same results as F.linear, same state dict, and a plain
-F.linear wherever a packed weight would be wrong (gradients, changed or moved weights, other dtypes)."""
+"""Packed CPU matmuls (verispec.model.packing, native or oneDNN packs): same results as F.linear, same state dict,
+and a plain F.linear wherever a packed weight would be wrong (gradients, changed or moved weights, other dtypes).
+The native kernels themselves are tested in test_native."""
 
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ def test_float64_is_not_packed():
 @pytest.mark.skipif(not packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)),
                     reason="bf16 is packed only on CPUs without native bf16")
 def test_bf16_pack_is_a_bf16_matmul():
-    """Several rows: fp32 product of the exact upcasts, rounded to bf16, so at most one bf16 rounding step from
-    bf16 F.linear. One row: bf16 F.linear itself."""
+    """fp32 accumulation of the bf16 operands, rounded to bf16: at most one bf16 rounding step from bf16 F.linear
+    at several rows; at one row (native: the same sequential fp32 sum; oneDNN packs: F.linear itself) equal."""
     lin = _linear().to(torch.bfloat16)
     packed = PackedLinear(lin)
     assert packed.packed is not None

@@ -97,7 +97,8 @@ TILE(tile_f32, load_w_f32)
  * bf16 (w_bf16) or fp32; bias: fp32 [ceil(N / 16) * 16] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32.
  *
  * Up to 6 rows, each tile covers two blocks (16 columns; enough FMA chains in flight for a memory-bound step);
- * from 7 rows, one block and up to 12 rows, so a verify step of 7-12 tokens streams each weight once.
+ * at 7-12 rows, one block and all rows, so a verify step of 7-12 tokens streams each weight once; past 12, two
+ * blocks and 6 rows at a time.
  * Returns 0, or -1 if out of memory. */
 int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
               const float *bias, int64_t N, void *y, int out_bf16, int threads) {
@@ -113,34 +114,30 @@ int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, con
             memcpy(xf + m * K, (const float *)x + m * ldx, K * sizeof(float));
         }
     }
-    const int wide = M <= MR_WIDE;
-    const int64_t per_unit = wide ? 2 : 1;
+    /* 7-12 rows: one pass of tall tiles. Otherwise wide tiles, 6 rows at a time: fewer loads per FMA, and past 12
+     * rows (a prefill) the weights of a column pair are reread from cache, not memory. Either way each output is
+     * the same FMA chain, so the choice never changes a result. */
+    const int wide = M <= MR_WIDE || M > MR_TALL;
+    const int64_t per_unit = wide ? 2 : 1, mr = wide ? MR_WIDE : MR_TALL;
     const int64_t units = ((N + 15) / 16) * 2 / per_unit;
     const size_t welt = w_bf16 ? 2 : 4, yelt = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t u = 0; u < units; u++) {
         const int64_t n0 = u * per_unit * COLS;
         const void *wb = (const char *)wp + (size_t)(u * per_unit) * K * COLS * welt;
-        if (wide) {
-            const int rows = (int)M;
-            const float *xr = xf;
-            void *yr = y;
-            if (w_bf16) {
+        for (int64_t m0 = 0; m0 < M; m0 += mr) {
+            const int rows = (int)(M - m0 < mr ? M - m0 : mr);
+            const float *xr = xf + m0 * K;
+            void *yr = (char *)y + (size_t)m0 * N * yelt;
+            if (wide && w_bf16) {
 #define FN tile_bf16
                 switch (rows) { WIDE_CASES }
+            } else if (wide) {
 #undef FN
-            } else {
 #define FN tile_f32
                 switch (rows) { WIDE_CASES }
 #undef FN
-            }
-            continue;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += MR_TALL) {
-            const int rows = (int)(M - m0 < MR_TALL ? M - m0 : MR_TALL);
-            const float *xr = xf + m0 * K;
-            void *yr = (char *)y + (size_t)m0 * N * yelt;
-            if (w_bf16) {
+            } else if (w_bf16) {
 #define FN tile_bf16
                 switch (rows) { TALL_CASES }
 #undef FN

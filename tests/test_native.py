@@ -1,0 +1,225 @@
+"""verispec's native CPU kernels (verispec.kernels.native): matmul, attention and the greedy DSpark head loop agree
+with torch, and each row's result is bit for bit independent of the rest of the call (row count, thread count),
+which makes a verify step compute exactly what one-token steps compute, in fp32 and in bf16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model
+from verispec.cache import KVCache
+from verispec.config import SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters.model import ModelDrafter
+from verispec.kernels import native
+
+needs_native = pytest.mark.skipif(not native.available(), reason="native kernels need AVX2 + FMA and a C compiler")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _weights(n: int, k: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---- matmul -----------------------------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 9, 12, 13, 20, 64])
+@pytest.mark.parametrize("n,k", [(80, 48), (37, 13), (1024, 512)])
+def test_linear_matches_torch(m, n, k):
+    w, x = _weights(n, k), torch.randn(m, k)
+    b = torch.randn(n)
+    torch.testing.assert_close(native.linear(x, native.pack(w), n), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(native.linear(x, native.pack(w), n, native.pad_bias(b)), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+    wb, xb = w.to(BF16), x.to(BF16)
+    got = native.linear(xb, native.pack(wb), n)
+    assert got.dtype == BF16
+    # fp32 accumulation rounded once to bf16: at most one bf16 step from torch's bf16 matmul
+    torch.testing.assert_close(got.float(), F.linear(xb, wb).float(), rtol=8e-3, atol=8e-3 * k**0.5)
+    # fp32 input on bf16 weights: the fp32 product of the same values
+    torch.testing.assert_close(native.linear(x, native.pack(wb), n), F.linear(x, wb.float()), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_linear_takes_strided_and_batched_inputs():
+    w = _weights(40, 24)
+    xt = torch.randn(24, 9).t()  # rows not contiguous
+    torch.testing.assert_close(native.linear(xt, native.pack(w), 40), F.linear(xt, w), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 5, 24)
+    torch.testing.assert_close(native.linear(x3, native.pack(w), 40), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+    assert native.linear(torch.randn(0, 24), native.pack(w), 40).shape == (0, 40)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_linear_rows_are_independent_of_the_batch(dtype, two_threads):
+    """Each row alone, with one thread, equals the same row inside calls of 2..40 rows on two threads: bit for bit."""
+    w = _weights(200, 96, dtype)
+    packed = native.pack(w)
+    x = torch.randn(40, 96).to(dtype)
+    torch.set_num_threads(1)
+    alone = torch.cat([native.linear(x[i : i + 1], packed, 200) for i in range(40)])
+    torch.set_num_threads(2)
+    for m in (2, 6, 7, 9, 12, 13, 40):
+        assert torch.equal(native.linear(x[:m], packed, 200), alone[:m]), m
+
+
+@needs_native
+def test_bf16_rounding_is_round_to_nearest_even():
+    """The kernel's fp32 -> bf16 rounding agrees with torch's, ties and specials included."""
+    vals = torch.tensor([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, -3.4e38, float("inf"), float("-inf"),
+                         float("nan"), 1e-40, 0.0, -0.0])
+    eye = torch.eye(1)
+    got = native.linear(vals[:, None].to(BF16), native.pack(eye.to(BF16)), 1)  # exactly x * 1, rounded
+    want = vals[:, None].to(BF16)
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok], want[ok])
+    # an fp32 value that is not a bf16 value: rounded by the kernel, not truncated
+    x = torch.tensor([[1.0 + 2**-9 + 2**-12]])  # above the tie: rounds up to 1 + 2^-8
+    assert native.linear(x, native.pack(eye), 1).to(BF16).item() == x.to(BF16).item()
+
+
+# ---- attention --------------------------------------------------------------------------------------------------
+
+def _reference_attention(q, k, v, causal: bool) -> torch.Tensor:  # fp64, [B, H, T, D]
+    t, s = q.shape[2], k.shape[2]
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t) if causal else None
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+
+
+@needs_native
+@pytest.mark.parametrize("t,cached", [(1, 0), (1, 37), (3, 5), (9, 40), (20, 0)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 8, 64), (2, 1, 80), (2, 2, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_matches_sdpa(t, cached, heads, kv_heads, d, causal):
+    gen = torch.Generator().manual_seed(t * 100 + cached)
+    cache_k = torch.randn(1, kv_heads, 64, d, generator=gen)  # a cache's storage, longer than what is used
+    cache_v = torch.randn(1, kv_heads, 64, d, generator=gen)
+    s = cached + t
+    q = torch.randn(1, t, heads, d, generator=gen).transpose(1, 2)  # the model's [B, H, T, D] view
+    k, v = cache_k[:, :, :s], cache_v[:, :, :s]
+    got = native.attention(q, k, v, causal)
+    assert got.shape == (1, heads, t, d)
+    torch.testing.assert_close(got.double(), _reference_attention(q, k, v, causal), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_attention_queries_are_independent_of_the_batch(two_threads):
+    """Each query against its own prefix of the cache, alone, equals the same query in a call of 9: bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    cache_k, cache_v = torch.randn(1, 2, 80, 16, generator=gen), torch.randn(1, 2, 80, 16, generator=gen)
+    q = torch.randn(1, 9, 4, 16, generator=gen).transpose(1, 2)
+    start = 50
+    together = native.attention(q, cache_k[:, :, : start + 9], cache_v[:, :, : start + 9], True)
+    for t in range(9):
+        s = start + t + 1
+        alone = native.attention(q[:, :, t : t + 1], cache_k[:, :, :s], cache_v[:, :, :s], True)
+        assert torch.equal(alone[:, :, 0], together[:, :, t]), t
+
+
+# ---- greedy Markov head -----------------------------------------------------------------------------------------
+
+def _torch_markov_greedy(base, w1, w2, anchor):
+    out, prev = [], anchor
+    for j in range(base.shape[0]):
+        prev = int((base[j] + w2 @ w1[prev]).argmax())
+        out.append(prev)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("vocab,rank", [(97, 8), (5000, 64)])
+def test_markov_greedy_matches_torch(vocab, rank, two_threads):
+    gen = torch.Generator().manual_seed(vocab)
+    base = torch.randn(8, vocab, generator=gen)
+    w1, w2 = torch.randn(vocab, rank, generator=gen), torch.randn(vocab, rank, generator=gen) * 0.3
+    got = native.markov_greedy(base, w1, w2.t().contiguous(), 5)
+    assert got == _torch_markov_greedy(base, w1, w2, 5)
+    torch.set_num_threads(1)
+    assert native.markov_greedy(base, w1, w2.t().contiguous(), 5) == got
+
+
+@needs_native
+def test_markov_greedy_ties_nans_and_bad_tokens():
+    vocab, rank = 4096, 4
+    w1, w2t = torch.zeros(vocab, rank), torch.zeros(rank, vocab)
+    base = torch.zeros(3, vocab)
+    base[0, [7, 3000]] = 1.0  # a tie across the threads' halves: the lowest index, as torch.argmax
+    base[1, 2500] = float("nan")  # a NaN wins, as in torch.argmax
+    base[2, 11] = -1.0  # all others 0: the first of them
+    assert native.markov_greedy(base, w1, w2t, 0) == [7, 2500, 0]
+    assert [int(base[j].argmax()) for j in range(3)] == [7, 2500, 0]
+    with pytest.raises(ValueError, match="out of range"):
+        native.markov_greedy(base, w1, w2t, vocab)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        native.markov_greedy(base, w1, w2t.t(), 0)
+
+
+# ---- the model: a verify step computes what one-token steps compute ---------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_verify_step_logits_equal_one_token_steps(dtype):
+    model = tiny_model(3).to(dtype).pack_weights()  # packs made for the model's dtype
+    assert model.matmuls == "native"
+    tokens = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=40)
+        model(tokens[:, :21], cache=cache)
+        together = model(tokens[:, 21:], cache=cache)[0]  # 9 positions in one forward
+        cache.truncate(21)
+        alone = torch.cat([model(tokens[:, i : i + 1], cache=cache)[0] for i in range(21, 30)], dim=1)
+    assert torch.equal(together, alone)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_bf16_greedy_equals_plain(k):
+    """With batch-invariant kernels the bf16 contract is the fp32 one: greedy output token for token."""
+    target = tiny_model(2, 0.5).to(BF16).pack_weights()
+    drafter_model = tiny_model(5, 0.5).to(BF16).pack_weights()
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = [5, 17, 3, 44, 9, 60, 2]
+    plain = decode(target, prompt, params).token_ids
+    for drafter in (ModelDrafter(target), ModelDrafter(drafter_model)):
+        assert decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=k)).token_ids == plain
+
+
+# ---- where the kernels cannot be used -----------------------------------------------------------------------------
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=120)
+
+
+def test_disabled_kernels_fall_back_to_torch():
+    res = _run("from verispec.kernels import native; from conftest import tiny_model; "
+               "print(native.available(), tiny_model().matmuls)", VERISPEC_NATIVE="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[0] == "False" and res.stdout.split()[1] in ("onednn", "torch")
+
+
+def test_a_failed_build_warns_once_and_falls_back(tmp_path):
+    res = _run("import warnings; warnings.simplefilter('always'); from verispec.kernels import native; "
+               "print(native.available(), native.available())", CC="false", VERISPEC_CACHE=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "False"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert res.stderr.count("native matmul kernel unavailable") == 1 and "false failed" in res.stderr
