@@ -55,12 +55,10 @@ def main() -> None:
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})
         ctx_cache = drafter._ctx[0]
         request = [DraftRequest(0, ids, g, SamplingParams(), None)]
-        ctx = [(ctx_cache.k[i, :, :, :width], ctx_cache.v[i, :, :, :width]) for i in range(model.config.num_layers)]
         anchor, anchor_pos = torch.tensor([ids[-1]]), torch.tensor([width])
-        mask = (torch.arange(width)[None] < anchor_pos[:, None])[:, None, None, :]
 
-        def block():
-            return model.block_hidden(target.model.embed_tokens, anchor, anchor_pos, ctx, mask)
+        def block():  # as propose runs it for one request: over its context cache, no mask
+            return model.block_hidden(target.model.embed_tokens, anchor, anchor_pos, ctx_cache)
 
         h = block()
         rows = {k: v[0, :5] for k, v in hidden.items()}  # an anchor and four accepted drafts
@@ -78,7 +76,7 @@ def main() -> None:
         propose = median_ms(lambda: drafter.propose(request), n)
         head = median_ms(lambda: target.lm_head(h.to(target.dtype)), n)
         parts = {"block forward": median_ms(block, n), "LM head": head}
-        print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, packed={target.packed}")
+        print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, matmuls={target.matmuls}")
         print(f"  propose ({g} drafts)        {propose:7.2f} ms")
         for name, ms in parts.items():
             print(f"    {name:24s}{ms:7.2f} ms")

@@ -58,7 +58,9 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
 }
 
 /* `rows` x (8 * `blocks`) outputs. Both are compile-time constants at every call site (the switches below), so the
- * loops unroll and the accumulators stay in registers. w points at block n0 / 8; blocks are K * 8 apart. */
+ * loops unroll and the accumulators stay in registers. x is the tile's rows interleaved, x[k * rows + m], so every
+ * broadcast is one pointer plus a constant (12 row pointers would not fit in registers beside the accumulators).
+ * w points at block n0 / 8; blocks are K * 8 apart. */
 #define TILE(NAME, LOAD)                                                                                          \
     static inline __attribute__((always_inline)) void NAME(                                                        \
         const int rows, const int blocks, const float *x, int64_t K, const void *w, const float *bias, void *y,   \
@@ -70,7 +72,7 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
             __m256 wv[2];                                                                                         \
             _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++) wv[b] = LOAD(w, (b * K + k) * COLS);         \
             _Pragma("GCC unroll 12") for (int m = 0; m < rows; m++) {                                             \
-                __m256 xv = _mm256_broadcast_ss(x + m * K + k);                                                   \
+                __m256 xv = _mm256_broadcast_ss(x + k * rows + m);                                                \
                 _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++)                                          \
                     acc[m][b] = _mm256_fmadd_ps(xv, wv[b], acc[m][b]);                                            \
             }                                                                                                     \
@@ -88,10 +90,26 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
 TILE(tile_bf16, load_w_bf16)
 TILE(tile_f32, load_w_f32)
 
-#define CASE(R, B) case R: FN(R, B, xr, K, wb, bias, yr, N, out_bf16, n0); break;
-#define WIDE_CASES CASE(1, 2) CASE(2, 2) CASE(3, 2) CASE(4, 2) CASE(5, 2) default: FN(6, 2, xr, K, wb, bias, yr, N, out_bf16, n0);
-#define TALL_CASES CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1) CASE(7, 1) CASE(8, 1) \
-    CASE(9, 1) CASE(10, 1) CASE(11, 1) default: FN(12, 1, xr, K, wb, bias, yr, N, out_bf16, n0);
+/* One out-of-line function per (weight dtype, rows, blocks): compiled alone, each tile gets the whole register
+ * file (inlined into the threaded loop, GCC spilled accumulators of the 9-12-row tiles, halving their speed). */
+#define INST(R, B)                                                                                                \
+    static __attribute__((noinline)) void bf16_##R##_##B(const float *x, int64_t K, const void *w,               \
+                                                         const float *bias, void *y, int64_t N, int ob, int64_t n0) { \
+        tile_bf16(R, B, x, K, w, bias, y, N, ob, n0);                                                             \
+    }                                                                                                             \
+    static __attribute__((noinline)) void f32_##R##_##B(const float *x, int64_t K, const void *w,                \
+                                                        const float *bias, void *y, int64_t N, int ob, int64_t n0) { \
+        tile_f32(R, B, x, K, w, bias, y, N, ob, n0);                                                              \
+    }
+INST(1, 2) INST(2, 2) INST(3, 2) INST(4, 2) INST(5, 2) INST(6, 2)
+INST(1, 1) INST(2, 1) INST(3, 1) INST(4, 1) INST(5, 1) INST(6, 1) INST(7, 1) INST(8, 1) INST(9, 1) INST(10, 1)
+INST(11, 1) INST(12, 1)
+
+#define CALL(P, R, B) P##_##R##_##B(xr, K, wb, bias, yr, N, out_bf16, n0)
+#define CASE(P, R, B) case R: CALL(P, R, B); break;
+#define WIDE_CASES(P) CASE(P, 1, 2) CASE(P, 2, 2) CASE(P, 3, 2) CASE(P, 4, 2) CASE(P, 5, 2) default: CALL(P, 6, 2);
+#define TALL_CASES(P) CASE(P, 1, 1) CASE(P, 2, 1) CASE(P, 3, 1) CASE(P, 4, 1) CASE(P, 5, 1) CASE(P, 6, 1) \
+    CASE(P, 7, 1) CASE(P, 8, 1) CASE(P, 9, 1) CASE(P, 10, 1) CASE(P, 11, 1) default: CALL(P, 12, 1);
 
 /* x: [M, K] rows with stride ldx (elements), fp32 or bf16 (in_bf16); wp: packed weight [ceil(N / 16) * 2][K][8],
  * bf16 (w_bf16) or fp32; bias: fp32 [ceil(N / 16) * 16] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32.
@@ -103,22 +121,30 @@ TILE(tile_f32, load_w_f32)
 int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
               const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     if (M <= 0 || N <= 0) return 0;
-    float *xf = (float *)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(float));
-    if (!xf) return -1;
-    for (int64_t m = 0; m < M; m++) {
-        if (in_bf16) {
-            const uint16_t *src = (const uint16_t *)x + m * ldx;
-            uint32_t *dst = (uint32_t *)(xf + m * K);
-            for (int64_t k = 0; k < K; k++) dst[k] = (uint32_t)src[k] << 16;
-        } else {
-            memcpy(xf + m * K, (const float *)x + m * ldx, K * sizeof(float));
-        }
-    }
     /* 7-12 rows: one pass of tall tiles. Otherwise wide tiles, 6 rows at a time: fewer loads per FMA, and past 12
      * rows (a prefill) the weights of a column pair are reread from cache, not memory. Either way each output is
      * the same FMA chain, so the choice never changes a result. */
     const int wide = M <= MR_WIDE || M > MR_TALL;
     const int64_t per_unit = wide ? 2 : 1, mr = wide ? MR_WIDE : MR_TALL;
+    /* x in fp32, each chunk of mr rows interleaved: chunk c at xf + c * mr * K, element (m, k) at k * rows + m */
+    float *xf = (float *)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(float));
+    if (!xf) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += mr) {
+        const int64_t rows = M - m0 < mr ? M - m0 : mr;
+        float *dst = xf + m0 * K;
+        for (int64_t m = 0; m < rows; m++) {
+            if (in_bf16) {
+                const uint16_t *src = (const uint16_t *)x + (m0 + m) * ldx;
+                for (int64_t k = 0; k < K; k++) {
+                    const uint32_t bits = (uint32_t)src[k] << 16;
+                    memcpy(dst + k * rows + m, &bits, sizeof(float));
+                }
+            } else {
+                const float *src = (const float *)x + (m0 + m) * ldx;
+                for (int64_t k = 0; k < K; k++) dst[k * rows + m] = src[k];
+            }
+        }
+    }
     const int64_t units = ((N + 15) / 16) * 2 / per_unit;
     const size_t welt = w_bf16 ? 2 : 4, yelt = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -130,21 +156,13 @@ int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, con
             const float *xr = xf + m0 * K;
             void *yr = (char *)y + (size_t)m0 * N * yelt;
             if (wide && w_bf16) {
-#define FN tile_bf16
-                switch (rows) { WIDE_CASES }
+                switch (rows) { WIDE_CASES(bf16) }
             } else if (wide) {
-#undef FN
-#define FN tile_f32
-                switch (rows) { WIDE_CASES }
-#undef FN
+                switch (rows) { WIDE_CASES(f32) }
             } else if (w_bf16) {
-#define FN tile_bf16
-                switch (rows) { TALL_CASES }
-#undef FN
+                switch (rows) { TALL_CASES(bf16) }
             } else {
-#define FN tile_f32
-                switch (rows) { TALL_CASES }
-#undef FN
+                switch (rows) { TALL_CASES(f32) }
             }
         }
     }
