@@ -6,11 +6,11 @@ weight when it is packed:
 
 - `native` (CPUs with AVX2 + FMA, where verispec.kernels.native builds): verispec's own kernel over a blocked
   copy of the weight in its own dtype (fp32 or bf16, fp32 accumulation; an fp32 weight that holds bf16 values,
-  as a bf16 checkpoint loaded in fp32 does, is packed in bf16: the same results from half the bytes). Every row is computed in one fixed order
-  whatever the row count, so a verify step gives each token the matmul results a one-token step gives it. The
-  shipped target's matmuls, bf16 on a 2-vCPU AVX2 machine: 2.95 / 4.64 / 8.49 ms for 1 / 9 / 16 rows, against
-  3.85 ms for bf16 `F.linear` at one row and 10.9 / 13.6 ms for oneDNN's fp32 packs at 9 / 16 (fp32 weights:
-  4.56 / 6.76 / 9.97 ms against oneDNN's 7.28 / 10.21 / 13.36).
+  as a bf16 checkpoint loaded in fp32 does, is packed in bf16: the same results from half the bytes). Every row
+  is computed in one fixed order whatever the row count, so a verify step gives each token the matmul results a
+  one-token step gives it. The shipped target's matmuls in bf16 on a 2-vCPU AVX2 machine take 2.9 /
+  4.7 / 7.4 ms at 1 / 9 / 16 rows: 2-2.6x faster than oneDNN's packs, 1.3x faster than bf16 `F.linear` at one
+  row and more above (`python scripts/kernel_cost.py`; reports/bench-block).
 - `onednn` (elsewhere, where oneDNN packs): the weight packed into oneDNN's blocked layout. For bf16 on a CPU
   without native bf16 (oneDNN cannot pack bf16 there) the pack is the weight's exact fp32 upcast, used from
   BF16_MIN_ROWS rows with the input upcast and the output rounded back to bf16 (a bf16 matmul in another summation
@@ -160,15 +160,3 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = self.packed.kind if self.packed is not None else None
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kind}"
-
-
-def pack_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` under `module` by a `PackedLinear` (inference only); returns how many were packed.
-    Weights that cannot be packed here (GPU, bf16 with native support) keep their plain matmul."""
-    count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and packing_supported(child.weight):
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
