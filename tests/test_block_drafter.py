@@ -224,6 +224,28 @@ def test_batched_proposals_equal_one_at_a_time(target):
         torch.testing.assert_close(d.confidence, alone.confidence, rtol=1e-5, atol=1e-6)
 
 
+def test_torch_head_loop_drafts_what_the_native_loop_drafts(target, monkeypatch):
+    """Greedy DSpark drafts come from kernels/markov.c where it runs, from the torch head loop elsewhere: the
+    same tokens and confidences either way. The transition bias is scaled up so that it decides tokens."""
+    model = make_block(target, head="markov", confidence=True)
+    with torch.no_grad():
+        model.markov_out.weight.mul_(30.0)
+    drafter = BlockDrafter(model, target)
+    reqs = []
+    for i, p in enumerate(PROMPTS[:2]):
+        drafter.start(i, p)
+        with torch.inference_mode():
+            _, hidden = target(torch.tensor([p[:-1]]), hidden_layers=(1,))
+        drafter.observe(i, 0, {1: hidden[1][0]})
+        reqs.append(DraftRequest(i, p, 4, SamplingParams(), None))
+    drafts = [drafter.propose([r])[0] for r in reqs] + drafter.propose(reqs)
+    monkeypatch.setattr(drafter, "_native_markov", lambda: None)
+    looped = [drafter.propose([r])[0] for r in reqs] + drafter.propose(reqs)
+    for a, b in zip(drafts, looped):
+        assert a.tokens == b.tokens and len(a.tokens) == 4
+        torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)
+
+
 def test_lm_head_runs_only_on_drafted_positions(target):
     """A round's cost: the shared LM head sees the positions some request drafts, not the whole block."""
     drafter = BlockDrafter(make_block(target, head="markov", confidence=True, block_size=8), target)
