@@ -8,27 +8,17 @@ over a cached context. Medians of interleaved repeats, so both sides see the sam
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
+from verispec.bench.timing import interleaved, median
 from verispec.kernels import native
 from verispec.model import load_model
 from verispec.model.packing import PACK_ROWS
 
 
 def interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {name: 1e3 * median(t) for name, t in interleaved(fns, repeats).items()}
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from verispec.cache import KVCache
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
 from verispec.errors import CheckpointError
-from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.kernels import native
+from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.model.packing import PackedLinear, cpu_has_native_bf16, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample

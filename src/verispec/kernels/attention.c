@@ -6,8 +6,8 @@
  * so a query's result does not depend on how many other queries are in the call, nor on the thread count.
  *
  * q: rows of D floats at q + b * qsb + t * qst + h * qsh; k, v: rows at b * ksb + g * ksh + s * kss (the cache's
- * [B, Hkv, S_max, D] layout; k and v share strides); out: contiguous [B, T, H, D]. D must be a multiple of 8. Returns 0, -1 if out of
- * memory, -2 for unsupported shapes. */
+ * [B, Hkv, S_max, D] layout; k and v share strides); out: contiguous [B, T, H, D]. D must be a multiple of 8.
+ * Returns 0, -1 if out of memory, -2 for unsupported shapes. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -69,7 +69,8 @@ static inline void scores8(const float *q, const float *k, int64_t kss, int64_t 
     }
     for (int64_t s = s0; s < end; s++) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * kss + d), a);
+        for (int64_t d = 0; d < D; d += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * kss + d), a);
         scores[s] = hsum(a) * scale;
     }
 }

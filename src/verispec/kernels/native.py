@@ -97,6 +97,13 @@ def available() -> bool:
     return library() is not None
 
 
+def _required() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("verispec native kernels are unavailable here: check available() first")
+    return lib
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16) * 2, K, 8], same dtype
     """The kernel's layout: blocks of 8 output columns, each block's K rows of 8 contiguous, N padded to 16."""
     n, k = weight.shape
@@ -121,8 +128,7 @@ def linear(
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """y = x @ W^T (+ b) with fp32 accumulation. Each output row is computed in one fixed order whatever the
     number of rows or threads (see gemm.c), so a row's result never depends on the rest of the batch."""
-    lib = library()
-    assert lib is not None, "native kernel unavailable: check available() first"
+    lib = _required()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
@@ -146,8 +152,7 @@ def markov_greedy(
     anchor: int,
 ) -> list[int]:  # span tokens
     """Greedy drafts of DSpark's Markov head: x_j = argmax(U_j + W2 W1[x_{j-1}]), x_0 = anchor (see markov.c)."""
-    lib = library()
-    assert lib is not None, "native kernel unavailable: check available() first"
+    lib = _required()
     span, vocab = base.shape
     for t, shape in ((w1, (vocab, w1.shape[1])), (w2t, (w1.shape[1], vocab))):
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
@@ -184,8 +189,7 @@ def attention(
     causal: bool,  # query t sees keys s <= S - T + t (the new tokens after S - T cached ones); else every key
 ) -> torch.Tensor:  # [B, H, T, D], a view of a contiguous [B, T, H, D]
     """softmax(q k^T / sqrt(D)) v with grouped-query heads (H / Hkv queries per key/value head), fp32."""
-    lib = library()
-    assert lib is not None, "native kernel unavailable: check available() first"
+    lib = _required()
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     out = torch.empty(b, t, h, d, dtype=torch.float32)

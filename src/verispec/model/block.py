@@ -202,12 +202,9 @@ class BlockDraftModel(nn.Module):
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # [..., d], [...] -> [...]
         return self.confidence_head(torch.cat([h, self.markov_in(prev).to(h.dtype)], dim=-1)).squeeze(-1)
 
-    def confidence_terms(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., d] -> [...], [V]
-        """confidence_logit(h, prev) = terms[0] + terms[1][prev]: the block-state term (bias included) for every
-        position at once and a per-previous-token table, so a sequential head loop indexes instead of running a
-        layer per position."""
-        return self.confidence_state_term(h), self.confidence_token_table()
-
+    # confidence_logit(h, prev) = confidence_state_term(h) + confidence_token_table()[prev]: the block-state term
+    # (bias included) for every position at once and a per-previous-token table, so a sequential head loop
+    # indexes instead of running a layer per position.
     def confidence_state_term(self, h: torch.Tensor) -> torch.Tensor:  # [..., d] -> [...]
         w = self.confidence_head.weight[0]
         return h @ w[: h.shape[-1]] + self.confidence_head.bias[0]
