@@ -1,6 +1,6 @@
 """Where a speculative round's time goes, piece by piece: a block drafter's propose (block forward, LM head, head
-loop), its context append, and the target's verify and plain steps. Medians of repeated calls on one held-out
-code prompt; the bench's `ms/round (draft)` column is the same split measured inside whole generations.
+loop), its context append (alone, and fused with the next propose as a round runs it), and the target's verify
+and plain steps. Medians of repeated calls on one held-out code prompt; the bench's `ms/round (draft)` column is the same split measured inside whole generations.
 
     python scripts/round_cost.py [--drafter dspark:zoo/dspark] [--dtype fp32] [--context 450] [--threads 2]
 """
@@ -17,7 +17,7 @@ import torch
 
 from verispec.api import LLM, set_threads
 from verispec.cache import KVCache
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import DraftRequest, Verified
 from verispec.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent.parent / "src/verispec/bench/prompts/code_completion.jsonl"
@@ -55,6 +55,7 @@ def main() -> None:
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})
         ctx_cache = drafter._ctx[0]
         request = [DraftRequest(0, ids, g, SamplingParams(), None)]
+        after = [DraftRequest(0, ids + ids[-5:], g, SamplingParams(), None)]  # the anchor five positions later
         anchor, anchor_pos = torch.tensor([ids[-1]]), torch.tensor([width])
 
         def block():  # as propose runs it for one request: over its context cache, no mask
@@ -63,8 +64,13 @@ def main() -> None:
         h = block()
         rows = {k: v[0, :5] for k, v in hidden.items()}  # an anchor and four accepted drafts
 
-        def append():
+        def append():  # on its own, as observe and batched proposals do
             drafter.observe(0, width, rows)
+            ctx_cache.truncate(width)
+
+        def propose_after_accept():  # a round's drafter work: the accepted rows go through propose's forward
+            drafter.accept(Verified(0, 4, [], rows))
+            drafter.propose(after)
             ctx_cache.truncate(width)
 
         def step(tokens):
@@ -82,6 +88,7 @@ def main() -> None:
             print(f"    {name:24s}{ms:7.2f} ms")
         print(f"    {'head loop (the rest)':24s}{propose - sum(parts.values()):7.2f} ms")
         print(f"  context append (5 rows)     {median_ms(append, n):7.2f} ms")
+        print(f"  accept 5 rows + propose     {median_ms(propose_after_accept, n):7.2f} ms")
         print(f"  target verify ({g + 1} rows)     {median_ms(lambda: step(verify), n):7.2f} ms")
         print(f"  target plain step (1 row)   {median_ms(lambda: step(plain), n):7.2f} ms")
 

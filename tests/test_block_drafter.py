@@ -14,7 +14,7 @@ from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
 from verispec.decode import decode
-from verispec.drafters import DraftRequest, build_drafter
+from verispec.drafters import DraftRequest, Verified, build_drafter
 from verispec.drafters.block import BlockDrafter, load_block_drafter, save_block_drafter
 from verispec.engine import Engine
 from verispec.errors import CheckpointError, ConfigError
@@ -280,3 +280,158 @@ def test_drafter_runs_in_the_targets_dtype(tmp_path, target):
     drafter.start(0, [7]), fp32.start(0, [7])
     assert drafter._ctx[0].k.dtype == torch.float32
     assert drafter.propose(req)[0].tokens == fp32.propose(req)[0].tokens
+
+
+# ---- the deferred context append --------------------------------------------------------------------------------
+
+def _observed(drafter, seq_id, prompt, target):
+    drafter.start(seq_id, prompt)
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([prompt]), hidden_layers=(1,))
+    drafter.observe(seq_id, 0, {1: hidden[1][0, : len(prompt) - 1]})
+    return hidden[1][0]
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_accepted_rows_projected_with_the_block_equal_a_separate_append(rounds, target):
+    """accept() defers a round's rows to the next proposal, which projects them together with the block (and
+    after prompt-lookup rounds, several rounds' rows at once): the same context cache and the same draft as
+    appending them on their own first."""
+    model = make_block(target, head="markov", confidence=True)
+    fused, separate = BlockDrafter(model, target), BlockDrafter(model, target)
+    tokens = PROMPTS[0]
+    head = 6  # the prompt the drafters start from; later tokens arrive as accepted rows
+    for d in (fused, separate):
+        hidden = _observed(d, 0, tokens[:head], target)
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([tokens]), hidden_layers=(1,))
+    pos = head - 1
+    for n in [3, 2][:rounds]:  # rows of the anchor and n - 1 accepted drafts
+        rows = {1: hidden[1][0, pos : pos + n]}
+        fused.accept(Verified(0, n - 1, [], rows))
+        separate.observe(0, pos, rows)
+        pos += n
+    assert fused.context_length(0) == separate._ctx[0].length == pos
+    req = [DraftRequest(0, tokens[: pos + 1], 4, SamplingParams(), None)]
+    a, b = fused.propose(req)[0], separate.propose(req)[0]
+    assert a.tokens == b.tokens and len(a.tokens) == 4
+    torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)
+    for c in (fused._ctx[0], separate._ctx[0]):
+        assert c.length == pos
+    torch.testing.assert_close(fused._ctx[0].k[:, :, :, :pos], separate._ctx[0].k[:, :, :, :pos], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused._ctx[0].v[:, :, :, :pos], separate._ctx[0].v[:, :, :, :pos], rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="anchor is at"):  # the context and the anchor disagree: said, not drafted
+        fused.propose([DraftRequest(0, tokens[: pos + 2], 4, SamplingParams(), None)])
+
+
+# ---- the draft vocabulary (FR-Spec) -----------------------------------------------------------------------------
+
+def _draft_vocab(vocab_size: int, size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_draft_vocabulary_greedy_equals_plain(kind, target, plain):
+    """Drafts only from the draft vocabulary, and the output is still exactly plain decoding's."""
+    ids = _draft_vocab(target.config.vocab_size, 40)
+    drafter = BlockDrafter(make_block(target, **KINDS[kind]), target, draft_vocab=ids)
+    seen = set()
+    inner = drafter.propose
+
+    def propose(requests):
+        drafts = inner(requests)
+        seen.update(t for d in drafts for t in d.tokens)
+        return drafts
+
+    drafter.propose = propose
+    for prompt, ref in zip(PROMPTS, plain):
+        out = decode(target, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=3))
+        assert out.token_ids == ref
+    assert seen and seen <= set(ids.tolist())
+
+
+@pytest.mark.parametrize("native_loop", [True, False])
+def test_draft_vocabulary_drafts_the_best_token_inside_it(native_loop, target, monkeypatch):
+    """With a draft vocabulary the greedy Markov loop (native or torch) drafts argmax over the set's columns of
+    the full-vocabulary logits U_j + W2 W1[x_{j-1}]: cutting the LM head and W2 to the set changes nothing else."""
+    model = make_block(target, head="markov", confidence=True)
+    with torch.no_grad():
+        model.markov_out.weight.mul_(30.0)  # the transition bias decides tokens
+    ids = _draft_vocab(target.config.vocab_size, 30, seed=1)
+    full, cut = BlockDrafter(model, target), BlockDrafter(model, target, draft_vocab=ids)
+    if not native_loop:
+        monkeypatch.setattr(cut, "_native_markov", lambda: None)
+    prompt = PROMPTS[1]
+    for d in (full, cut):
+        _observed(d, 0, prompt, target)
+    req = [DraftRequest(0, prompt, 4, SamplingParams(), None)]
+    with torch.inference_mode():
+        embed = target.model.embed_tokens
+        h = model.block_hidden(embed, torch.tensor([prompt[-1]]), torch.tensor([len(prompt) - 1]), full._ctx[0])
+        base = full._block_logits(h[:, :4])[0]  # [4, V]
+        want, prev = [], prompt[-1]
+        for j in range(4):
+            logits = base[j] + model.markov_bias(torch.tensor(prev)).float()
+            prev = int(ids[logits[ids].argmax()])
+            want.append(prev)
+        got = cut.propose(req)[0]
+        conf = torch.sigmoid(model.confidence_logit(h[0, :4], torch.tensor([prompt[-1], *want[:-1]])))
+    assert got.tokens == want
+    torch.testing.assert_close(got.confidence, conf, rtol=1e-5, atol=1e-6)  # c_j from h_j and the drafted x_{j-1}
+
+
+@pytest.mark.parametrize("kind", ["parallel", "dspark"])
+def test_draft_vocabulary_samples_from_target(kind, stat_target):
+    """Sampled drafts from a 5-of-8-token draft vocabulary: q is zero outside it and sums to one, and the engine's
+    output pairs still follow the target's exact joint distribution."""
+    ids = torch.tensor([0, 2, 3, 5, 6])
+    drafter = BlockDrafter(make_block(stat_target, block_size=2, std=0.5, **KINDS[kind]), stat_target, draft_vocab=ids)
+    drafter.start(99, S_PROMPT)
+    with torch.inference_mode():
+        _, hidden = stat_target(torch.tensor([S_PROMPT[:-1]]), hidden_layers=(1,))
+    drafter.observe(99, 0, {1: hidden[1][0]})
+    gen = torch.Generator().manual_seed(0)
+    draft = drafter.propose([DraftRequest(99, S_PROMPT, 2, S_PARAMS, gen)])[0]
+    outside = torch.ones(SV, dtype=torch.bool)
+    outside[ids] = False
+    assert set(draft.tokens) <= set(ids.tolist()) and (draft.probs[:, outside] == 0).all()
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(2))
+    drafter.finish(99)
+    joints = exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)
+    engine = Engine(stat_target, None, EngineConfig(k=2, drafter="b", max_running=250, max_queued=N_STAT),
+                    drafters={"b": drafter})
+    for i in range(N_STAT):
+        engine.add_request(S_PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i), request_id=str(i))
+    results = engine.run_until_done()
+    assert 0 < engine.metrics.num_accepted_tokens < engine.metrics.num_draft_tokens
+    samples = np.array([results[str(i)].token_ids for i in range(N_STAT)])
+    for cols, joint in (([0, 1], joints[0]), ([1, 2], joints[1])):
+        tv, pval, impossible = check_pair(samples[:, cols], joint)
+        assert tv < tv_limit(SV * SV, N_STAT) and pval > ALPHA and impossible == 0, (tv, pval)
+
+
+def test_draft_vocabulary_files_load_or_fail_clearly(tmp_path, target):
+    from verispec.train.draft_vocab import top_tokens
+
+    d = tmp_path / "d"
+    save_block_drafter(make_block(target, head="markov", confidence=True), d)
+    assert load_block_drafter(d, target).draft_vocab is None
+    (d / "draft_vocab.json").write_text(json.dumps({"token_ids": [9, 3, 40]}))
+    with pytest.raises(CheckpointError, match="ascending"):
+        load_block_drafter(d, target)
+    (d / "draft_vocab.json").write_text(json.dumps({"token_ids": [3, 9, target.config.vocab_size]}))
+    with pytest.raises(CheckpointError, match="must lie in"):
+        load_block_drafter(d, target)
+    (d / "draft_vocab.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="draft_vocab.json is not a draft vocabulary"):
+        load_block_drafter(d, target)
+    counts = np.zeros(target.config.vocab_size, dtype=np.int64)
+    counts[[50, 7, 60]] = [5, 9, 5]
+    ids = top_tokens(counts, 3, always=[1])  # the end token, then by count, ties to the lower id
+    assert ids == [1, 7, 50]
+    (d / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    drafter = load_block_drafter(d, target)
+    assert drafter.draft_vocab.tolist() == ids
+    assert load_block_drafter(d, target, draft_vocab=False).draft_vocab is None
+    with pytest.raises(ValueError, match="size"):
+        top_tokens(counts, 0)

@@ -171,6 +171,30 @@ def test_markov_greedy_ties_nans_and_bad_tokens():
         native.markov_greedy(base, w1, w2t.t(), 0)
 
 
+@needs_native
+def test_markov_greedy_over_a_draft_vocabulary(two_threads):
+    """U and W2^T cut to a draft vocabulary's columns: the kernel returns token ids (not columns) and indexes W1,
+    which keeps a row per token, by the token it drafted."""
+    gen = torch.Generator().manual_seed(3)
+    full, rank = 6000, 16
+    ids = torch.randperm(full, generator=gen)[:2500].sort().values
+    w1, w2 = torch.randn(full, rank, generator=gen), torch.randn(full, rank, generator=gen) * 0.3
+    base = torch.randn(8, ids.numel(), generator=gen)
+    out, prev = [], 4321
+    for j in range(8):
+        prev = int(ids[(base[j] + w2[ids] @ w1[prev]).argmax()])
+        out.append(prev)
+    got = native.markov_greedy(base, w1, w2[ids].t().contiguous(), 4321, vocab=ids)
+    assert got == out
+    with pytest.raises(ValueError, match="no vocab map"):
+        native.markov_greedy(base, w1, w2[ids].t().contiguous(), 4321)
+    with pytest.raises(ValueError, match="int64"):
+        native.markov_greedy(base, w1, w2[ids].t().contiguous(), 4321, vocab=ids.int())
+    bad = ids + full  # a map that points outside the vocabulary
+    with pytest.raises(ValueError, match="out of range"):
+        native.markov_greedy(base, w1, w2[ids].t().contiguous(), 4321, vocab=bad)
+
+
 # ---- the model: a verify step computes what one-token steps compute ---------------------------------------------
 
 @needs_native

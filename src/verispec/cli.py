@@ -256,6 +256,32 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_train_drafter)
 
+    v = what.add_parser("draft-vocab", help="a block drafter's frequency-ranked draft vocabulary (FR-Spec)")
+    v.add_argument("drafter", type=Path, help="block drafter directory (writes draft_vocab.json there)")
+    v.add_argument("--size", type=int, required=True, help="most frequent tokens to keep (plus the end tokens)")
+    v.add_argument("--target", type=Path, default=None, help="target checkpoint with the tokenizer (default: zoo)")
+    v.add_argument("--corpus", type=Path, default=None,
+                   help="built corpus directory (its train.jsonl); default: the standard library's train split")
+    v.set_defaults(func=cmd_train_draft_vocab)
+
+
+def cmd_train_draft_vocab(args: argparse.Namespace) -> int:
+    from verispec.errors import ConfigError
+    from verispec.model.tokenizer import Tokenizer
+    from verispec.train.draft_vocab import write_draft_vocab
+    from verispec.zoo import default_target
+
+    if not (args.drafter / "config.json").is_file():
+        raise ConfigError(f"{args.drafter} is not a drafter directory (no config.json)")
+    tokenizer = Tokenizer.from_dir(args.target or default_target())
+    try:
+        meta = write_draft_vocab(args.drafter, tokenizer, args.size, args.corpus)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote {args.drafter}/draft_vocab.json: {meta['size']} tokens covering {meta['coverage']:.1%} of "
+          f"{meta['training_tokens']:,} training tokens ({meta['source']})")
+    return 0
+
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch

@@ -4,7 +4,8 @@ Per sequence the drafter keeps a cache of context keys/values built from the tar
 committed position before the anchor: the prompt's come from the prefill (`observe`), later ones from the rows
 each verification round verified and kept (`accept`: the anchor and the accepted drafts). So a round costs one
 block forward of the drafter plus an O(gamma) head loop; the target forward that verifies a round also yields the
-next round's context.
+next round's context. Accepted rows wait (`_pending`) for the next proposal, whose block forward projects them
+with the block in one pass per layer (a one-request proposal; batched ones append them first).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from verispec.cache import KVCache
@@ -20,7 +22,7 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Ve
 from verispec.errors import CheckpointError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
-from verispec.model.packing import PackedLinear, cpu_has_native_bf16, weight_version
+from verispec.model.packing import PackedLinear, cpu_has_native_bf16, linear, pack, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -30,12 +32,18 @@ KIND_KEY = "verispec_drafter"
 class BlockDrafter(Drafter):
     name = "block"
 
-    def __init__(self, model: BlockDraftModel, target: Transformer, temperatures: list[float] | None = None) -> None:
+    def __init__(self, model: BlockDraftModel, target: Transformer, temperatures: list[float] | None = None,
+                 draft_vocab: torch.Tensor | None = None) -> None:
         self.model, self.target = model.eval(), target
+        # FR-Spec: the token ids the drafter may propose, ascending (None: all). Block logits and the Markov bias
+        # are computed for these columns only; q is zero elsewhere, so rejection sampling stays exact.
+        self.draft_vocab = None if draft_vocab is None else check_draft_vocab(draft_vocab, target.config.vocab_size)
         self.needs_hidden_layers = model.config.target_layers  # type: ignore[misc]  (per instance)
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
         self._ctx: dict[int, KVCache] = {}
+        # Accepted rows not yet in the context cache, oldest first: {layer: [n, d]} each (see accept)
+        self._pending: dict[int, list[dict[int, torch.Tensor]]] = {}
         # Context keys/values (and so the drafter's attention) in fp32 unless the drafter runs in bf16 off the CPU,
         # the target cache's rule.
         dtype = next(model.parameters()).dtype
@@ -52,16 +60,39 @@ class BlockDrafter(Drafter):
 
     def finish(self, seq_id: int) -> None:
         self._ctx.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
 
     @torch.inference_mode()
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
-        cache = self._ctx[seq_id]
-        self.model.append_context(cache, self.model.context_features(hidden)[None], start)
+        self._flush(seq_id)
+        self.model.append_context(self._ctx[seq_id], self.model.context_features(hidden)[None], start)
 
     def accept(self, result: Verified) -> None:
-        # Rows of the anchor and the accepted drafts: context for positions anchor_pos .. anchor_pos + accepted.
+        # Rows of the anchor and the accepted drafts: context for positions anchor_pos .. anchor_pos + accepted,
+        # projected by the next proposal (several rounds' rows if prompt lookup drafted in between).
         keep = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
-        self.observe(result.seq_id, self._ctx[result.seq_id].length, keep)
+        self._pending.setdefault(result.seq_id, []).append(keep)
+
+    def context_length(self, seq_id: int) -> int:
+        """Positions of this sequence's context known to the drafter (in its cache or waiting for it)."""
+        rows = sum(next(iter(p.values())).shape[0] for p in self._pending.get(seq_id, []))
+        return self._ctx[seq_id].length + rows
+
+    def _take_pending(self, seq_id: int) -> torch.Tensor | None:  # [1, n, d] context features, or None
+        chunks = self._pending.pop(seq_id, None)
+        if not chunks:
+            return None
+        layers = self.model.config.target_layers
+        hidden = {k: chunks[0][k] if len(chunks) == 1 else torch.cat([c[k] for c in chunks]) for k in layers}
+        return self.model.context_features(hidden)[None]
+
+    @torch.inference_mode()
+    def _flush(self, seq_id: int) -> None:
+        """Append this sequence's pending rows to its context cache on their own."""
+        feats = self._take_pending(seq_id)
+        if feats is not None:
+            cache = self._ctx[seq_id]
+            self.model.append_context(cache, feats, cache.length)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -75,24 +106,30 @@ class BlockDrafter(Drafter):
         device = self.target.device
         pos = [len(requests[i].tokens) - 1 for i in live]  # anchor positions
         for i, p in zip(live, pos):
-            if self._ctx[requests[i].seq_id].length != p:
-                raise RuntimeError(f"block drafter context holds {self._ctx[requests[i].seq_id].length} positions, "
-                                   f"the anchor is at {p}")
+            if self.context_length(requests[i].seq_id) != p:
+                raise RuntimeError(f"block drafter context holds {self.context_length(requests[i].seq_id)} "
+                                   f"positions, the anchor is at {p}")
         width = max(pos)
         caches = [self._ctx[requests[i].seq_id] for i in live]
         anchor_pos = torch.tensor(pos, device=device)
-        if len(live) == 1:  # its cache as is (the block's keys/values go after its entries) and no mask
+        new_ctx = None
+        if len(live) == 1:  # its cache as is (pending rows, then the block's keys/values after its entries), no mask
             ctx: KVCache | list = caches[0]
             mask = None
+            new_ctx = self._take_pending(requests[live[0]].seq_id)
         else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
+            for i in live:
+                self._flush(requests[i].seq_id)
             ctx = [(torch.cat([c.k[layer, :, :, :width] for c in caches]),
                     torch.cat([c.v[layer, :, :, :width] for c in caches])) for layer in range(cfg.num_layers)]
             mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
         anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
-        h = self.model.block_hidden(self.target.model.embed_tokens, anchors, anchor_pos, ctx, mask)  # [R, G, d]
+        embed = self.target.model.embed_tokens
+        h = self.model.block_hidden(embed, anchors, anchor_pos, ctx, mask, new_ctx)  # [R, G, d]
         # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
         span = max(budgets[i] for i in live)
-        base = self.target.lm_head(h[:, :span].to(self.target.dtype)).float()  # [R, span, V] the block logits U
+        base = self._block_logits(h[:, :span].to(self.target.dtype))  # [R, span, V'] the block logits U
+        ids = self.draft_vocab  # column -> token id (None: the identity)
         if cfg.confidence:
             conf_h = self.model.confidence_state_term(h[:, :span])  # [R, span]
             conf_prev = self._derived("conf", (self.model.markov_in.weight, self.model.confidence_head.weight),
@@ -106,9 +143,10 @@ class BlockDrafter(Drafter):
             if not requests[i].params.greedy:
                 looped.append(row)
             elif cfg.head == "none":  # parallel: every position is independent
-                tokens[row] = base[row, : budgets[i]].argmax(-1).tolist()
+                best = base[row, : budgets[i]].argmax(-1)
+                tokens[row] = (best if ids is None else ids[best]).tolist()
             elif fast is not None:
-                tokens[row] = native.markov_greedy(base[row, : budgets[i]], *fast, anchor_ids[row])
+                tokens[row] = native.markov_greedy(base[row, : budgets[i]], *fast, anchor_ids[row], vocab=ids)
             else:
                 looped.append(row)
         if looped:
@@ -128,20 +166,28 @@ class BlockDrafter(Drafter):
         bias of x_{j-1}, argmax or sampled from q_j = probs_for(logits) with each request's own generator.
         Appends to tokens[n]; sets probs[rows[n]] to the [budget, V] draft distribution of sampled requests."""
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        ids, vocab_size = self.draft_vocab, self.target.config.vocab_size
+        if self.model.config.head == "markov":
+            w2 = self.model.markov_out.weight
+            if ids is not None:  # W2's rows for the draft vocabulary
+                w2 = self._derived("w2_vocab", (w2,), lambda: self.model.markov_out.weight[ids].contiguous())
         for j in range(max(budgets)):
             logits = base[:, j]
             if self.model.config.head == "markov":
-                logits = logits + self.model.markov_bias(prev).float()
+                logits = logits + F.linear(self.model.markov_in(prev), w2).float()
             nxt = prev.clone()
             for n, r in enumerate(requests):
                 if j >= budgets[n]:
                     continue
                 if r.params.greedy:
-                    tok = int(logits[n].argmax())
+                    col = int(logits[n].argmax())
                 else:
                     q = probs_for(logits[n], r.params)
-                    tok = int(sample(q, r.generator))
+                    col = int(sample(q, r.generator))
+                    if ids is not None:  # q over the full vocabulary: zero outside the draft vocabulary
+                        q = q.new_zeros(vocab_size).index_copy_(0, ids, q)
                     qs[n].append(q)
+                tok = col if ids is None else int(ids[col])
                 tokens[n].append(tok)
                 nxt[n] = tok
             prev = nxt
@@ -149,15 +195,35 @@ class BlockDrafter(Drafter):
             if qs[n]:
                 probs[row] = torch.stack(qs[n])
 
+    def _block_logits(self, h: torch.Tensor) -> torch.Tensor:  # [R, span, d] -> fp32 [R, span, V']
+        """The target's LM head on the block states: every token, or the draft vocabulary's rows only."""
+        head = self.target.lm_head
+        if self.draft_vocab is None:
+            return head(h).float()
+        ids = self.draft_vocab
+
+        def rows():
+            w = head.weight.detach()[ids].contiguous()
+            return w, pack(w)
+
+        w, packed = self._derived("head_vocab", (head.weight,), rows)
+        return linear(h, w, None, packed).float()
+
     def _native_markov(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(W1, W2^T) for the native greedy head loop; None where the kernel is unavailable or the drafter is not
-        fp32 on the CPU."""
+        """(W1, W2^T) for the native greedy head loop, W2^T cut to the draft vocabulary's columns; None where the
+        kernel is unavailable or the drafter is not fp32 on the CPU."""
         w1, w2 = self.model.markov_in.weight, self.model.markov_out.weight
         if w1.device.type != "cpu" or w1.dtype != torch.float32 or w2.dtype != torch.float32:
             return None
         if not native.available():
             return None
-        return self._derived("markov", (w1, w2), lambda: (w1.detach().contiguous(), w2.detach().t().contiguous()))
+        ids = self.draft_vocab
+
+        def make():
+            w2t = w2.detach() if ids is None else w2.detach()[ids]
+            return w1.detach().contiguous(), w2t.t().contiguous()
+
+        return self._derived("markov", (w1, w2), make)
 
     def _derived(self, name: str, sources: tuple[torch.Tensor, ...], make):
         """make(), computed once from the drafter's frozen weights and remade if any of `sources` changes."""
@@ -169,6 +235,16 @@ class BlockDrafter(Drafter):
 
     def _temperature(self, j: int) -> float:
         return self.temperatures[j] if j < len(self.temperatures) else 1.0
+
+
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary as the drafter uses it: int64, 1-D, ascending, distinct, within the vocabulary."""
+    ids = torch.as_tensor(ids).long().flatten().contiguous()
+    if ids.numel() == 0 or (ids.numel() > 1 and bool((ids[1:] <= ids[:-1]).any())):
+        raise ValueError("a draft vocabulary needs at least one token id, ascending and without repeats")
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size})")
+    return ids
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
@@ -184,7 +260,8 @@ def save_block_drafter(model: BlockDraftModel, path: Path, extra: dict | None = 
     save_file(state, str(path / "model.safetensors"))
 
 
-def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
+def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool = True) -> BlockDrafter:
+    """A trained block drafter for `target`; `draft_vocab=False` ignores the directory's draft vocabulary."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
@@ -215,6 +292,7 @@ def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
     # precision never changes the output, only which drafts are proposed.
     calibration = path / "calibration.json"
     temps = json.loads(calibration.read_text()).get("sts_temperatures") if calibration.is_file() else None
+    vocab = load_draft_vocab(path, t.vocab_size) if draft_vocab else None
     dtype = target.dtype
     if dtype == torch.bfloat16 and target.device.type == "cpu" and not cpu_has_native_bf16():
         dtype = torch.float32
@@ -226,7 +304,22 @@ def load_block_drafter(path: str | Path, target: Transformer) -> BlockDrafter:
     for layer in model.layers:
         layer.fuse()
     model.fc = PackedLinear(model.fc)
-    return BlockDrafter(model, target, temps)
+    return BlockDrafter(model, target, temps, vocab)
+
+
+VOCAB_FILE = "draft_vocab.json"
+
+
+def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """The drafter directory's FR-Spec draft vocabulary (`draft_vocab.json`, see train.draft_vocab), if any."""
+    f = path / VOCAB_FILE
+    if not f.is_file():
+        return None
+    try:
+        ids = json.loads(f.read_text())["token_ids"]
+        return check_draft_vocab(torch.tensor(ids, dtype=torch.long), vocab_size)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{f} is not a draft vocabulary: {e}") from None
 
 
 def _bench_spec(kind: str):

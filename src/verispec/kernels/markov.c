@@ -2,10 +2,12 @@
  * b_j = W1[x_{j-1}] @ W2^T and x_0 = the anchor (algorithms.md §3.1). The loop is sequential in j (each step needs
  * the token before it), so in torch it is a handful of small ops per position; here it is one call per block.
  *
- * U: [span, V] block logits, rows ldu apart; w1: [V, r] (markov_in); w2t: [r, V] (markov_out's weight,
- * transposed); all fp32. Ties go to the lowest index and a NaN wins, as torch.argmax does. Writes span tokens.
- * The vocabulary is split over `threads` (the bias is 2 MB of W2 per position at V = 8192, r = 64: two cores
- * read it twice as fast). Returns 0, or -1 if out of memory or a token is out of range. */
+ * U: [span, V] block logits, rows ldu apart; w1: [V1, r] (markov_in, every token); w2t: [r, V] (markov_out's
+ * weight, transposed); all fp32. `vocab` (NULL: the identity, V == V1) maps the V columns to token ids, ascending:
+ * a draft vocabulary (FR-Spec) that U and w2t were cut to. Ties go to the lowest index and a NaN wins, as
+ * torch.argmax does. Writes span token ids. The columns are split over `threads` (the bias is 2 MB of W2 per
+ * position at V = 8192, r = 64: two cores read it twice as fast), in one parallel region for the whole block.
+ * Returns 0, or -1 if out of memory or a token is out of range. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,55 +43,60 @@ static int64_t argmax_range(const float *u, const float *e, const float *w2t, in
     return best;
 }
 
-int vs_markov_greedy(const float *U, int64_t span, int64_t ldu, int64_t V, const float *w1, const float *w2t,
-                     int64_t r, int64_t anchor, int64_t *out, int threads) {
+int vs_markov_greedy(const float *U, int64_t span, int64_t ldu, int64_t V, const float *w1, int64_t V1,
+                     const float *w2t, int64_t r, int64_t anchor, const int64_t *vocab, int64_t *out, int threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (V / threads < CHUNK) threads = 1; /* small vocabularies: not worth a fork */
-    int64_t prev = anchor;
-    for (int64_t j = 0; j < span; j++) {
-        if (prev < 0 || prev >= V) return -1;
-        const float *e = w1 + prev * r;
-        const float *u = U + j * ldu;
-        int64_t idx[MAX_THREADS];
-        float val[MAX_THREADS];
-        int failed = 0;
-        /* each thread takes one contiguous range of the vocabulary; ranges are merged in order, so ties still go
-         * to the lowest index */
+    if (anchor < 0 || anchor >= V1) return -1;
+    int64_t idx[MAX_THREADS];
+    float val[MAX_THREADS];
+    int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-        {
-            int tid = 0, nt = 1;
+    {
+        int tid = 0, nt = 1;
 #ifdef _OPENMP
-            tid = omp_get_thread_num();
-            nt = omp_get_num_threads();
+        tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
 #endif
-            const int64_t per = (V + nt - 1) / nt, v0 = tid * per, v1 = v0 + per < V ? v0 + per : V;
-            float *acc = (float *)malloc(CHUNK * sizeof(float));
+        /* each thread takes one contiguous range of the columns; ranges are merged in order, so ties still go to
+         * the lowest index */
+        const int64_t per = (V + nt - 1) / nt, v0 = tid * per, v1 = v0 + per < V ? v0 + per : V;
+        float *acc = (float *)malloc(CHUNK * sizeof(float));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t prev = anchor;
+        for (int64_t j = 0; j < span; j++) {
+#pragma omp barrier
+            /* every thread reads `failed` and prev after the barrier, so all leave the loop together */
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) break;
             idx[tid] = -1;
-            if (!acc) {
+            if (v0 < v1) idx[tid] = argmax_range(U + j * ldu, w1 + prev * r, w2t, r, V, v0, v1, acc, &val[tid]);
+#pragma omp barrier
+            int64_t best = -1;
+            float bv = 0.0f;
+            for (int i = 0; i < nt; i++) { /* every thread merges the same values in the same order */
+                if (idx[i] < 0) continue;
+                if (best < 0 || val[i] > bv || (isnan(val[i]) && !isnan(bv))) {
+                    best = idx[i];
+                    bv = val[i];
+                }
+            }
+            const int64_t token = best < 0 ? -1 : vocab ? vocab[best] : best;
+            if (tid == 0) out[j] = token;
+            if (token < 0 || token >= V1) {
 #pragma omp atomic write
                 failed = 1;
-            } else if (v0 < v1) {
-                idx[tid] = argmax_range(u, e, w2t, r, V, v0, v1, acc, &val[tid]);
+                break; /* every thread saw the same token */
             }
-            free(acc);
-#pragma omp barrier
-#pragma omp single
-            {
-                int64_t best = -1;
-                float bv = 0.0f;
-                for (int i = 0; i < nt; i++) {
-                    if (idx[i] < 0) continue;
-                    if (best < 0 || val[i] > bv || (isnan(val[i]) && !isnan(bv))) {
-                        best = idx[i];
-                        bv = val[i];
-                    }
-                }
-                out[j] = best;
-            }
+            prev = token;
         }
-        if (failed) return -1;
-        prev = out[j];
+        free(acc);
     }
-    return 0;
+    return failed ? -1 : 0;
 }

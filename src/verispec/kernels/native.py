@@ -80,7 +80,7 @@ def _load() -> ctypes.CDLL | None:
                   ctypes.c_float, cint]
     g = lib.vs_markov_greedy
     g.restype = ctypes.c_int
-    g.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, cint]
+    g.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]
     return lib
 
 
@@ -146,24 +146,31 @@ def linear(
 
 
 def markov_greedy(
-    base: torch.Tensor,  # [span, V] fp32 block logits U, rows contiguous
-    w1: torch.Tensor,  # [V, r] fp32, contiguous (markov_in)
-    w2t: torch.Tensor,  # [r, V] fp32, contiguous (markov_out's weight, transposed)
+    base: torch.Tensor,  # [span, V] fp32 block logits U, rows contiguous (V: the draft vocabulary's size)
+    w1: torch.Tensor,  # [V1, r] fp32, contiguous (markov_in, a row per token of the full vocabulary)
+    w2t: torch.Tensor,  # [r, V] fp32, contiguous (markov_out's weight, transposed; cut to the draft vocabulary)
     anchor: int,
-) -> list[int]:  # span tokens
+    vocab: torch.Tensor | None = None,  # [V] int64 ascending token ids of the columns; None: all V1 == V tokens
+) -> list[int]:  # span token ids
     """Greedy drafts of DSpark's Markov head: x_j = argmax(U_j + W2 W1[x_{j-1}]), x_0 = anchor (see markov.c)."""
     lib = _required()
-    span, vocab = base.shape
-    for t, shape in ((w1, (vocab, w1.shape[1])), (w2t, (w1.shape[1], vocab))):
+    span, cols = base.shape
+    full, rank = w1.shape
+    if vocab is None and cols != full:
+        raise ValueError(f"markov_greedy: {cols} logit columns for a {full}-token vocabulary and no vocab map")
+    if vocab is not None and (vocab.dtype != torch.int64 or not vocab.is_contiguous() or vocab.shape != (cols,)):
+        raise ValueError(f"markov_greedy: vocab must be a contiguous int64 ({cols},) tensor")
+    for t, shape in ((w1, (full, rank)), (w2t, (rank, cols))):
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
             raise ValueError(f"markov_greedy: expected a contiguous fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
     if base.dtype != torch.float32 or base.stride(-1) != 1:
         raise ValueError("markov_greedy: block logits must be fp32 with contiguous rows")
     out = torch.empty(span, dtype=torch.int64)
-    rc = lib.vs_markov_greedy(base.data_ptr(), span, base.stride(0), vocab, w1.data_ptr(), w2t.data_ptr(),
-                              w1.shape[1], anchor, out.data_ptr(), torch.get_num_threads())
+    rc = lib.vs_markov_greedy(base.data_ptr(), span, base.stride(0), cols, w1.data_ptr(), full, w2t.data_ptr(),
+                              rank, anchor, None if vocab is None else vocab.data_ptr(), out.data_ptr(),
+                              torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"markov_greedy: anchor or token out of range (vocabulary {vocab}) or out of memory")
+        raise ValueError(f"markov_greedy: anchor or token out of range (vocabulary {full}) or out of memory")
     return out.tolist()
 
 

@@ -107,20 +107,27 @@ class _BlockLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, G, d] block
-        cos, sin,  # [B, G, 1, D] block positions
+        cos, sin,  # [B, n + G, 1, D] positions of the new context rows (if any) and the block
         ctx: tuple[torch.Tensor, torch.Tensor] | tuple[KVCache, int],  # context keys/values [B, Hkv, S, D]
         # (RoPE applied), or a context cache and this layer's index in it
         ctx_mask: torch.Tensor | None,  # [B, 1, G, S + G] bool or None (everything visible)
+        new_ctx: torch.Tensor | None = None,  # [1, n, d] context features to write to the cache (before the block)
     ) -> torch.Tensor:
         b, g, _ = x.shape
-        q, k, v = self._project(self.input_layernorm(x), with_q=True)
-        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        xn = self.input_layernorm(x)
+        n = 0 if new_ctx is None else new_ctx.shape[1]
+        if n:  # one projection for both: rows are independent, the context rows' queries are not used
+            xn = torch.cat([new_ctx.to(xn.dtype), xn], dim=1)
+        q, k, v = self._project(xn, with_q=True)
+        q = apply_rope(self.q_norm(q[:, n:]), cos[:, n:], sin[:, n:]).transpose(1, 2)
         k, v = self._rope_kv(k, v, cos, sin)
         # Attention runs in the context's dtype: fp32 for a bf16 drafter on CPU, where bf16 attention is slow.
-        if isinstance(ctx[0], KVCache):  # the block's keys/values go after the cache's entries, uncommitted
+        if isinstance(ctx[0], KVCache):  # new context rows, then the block's keys/values (uncommitted)
             cache, index = ctx
             k, v = cache.write(index, k.to(cache.k.dtype), v.to(cache.v.dtype))
         else:
+            if n:
+                raise ValueError("new context rows need a context cache")
             ctx_k, ctx_v = ctx
             k = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
             v = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
@@ -181,19 +188,26 @@ class BlockDraftModel(nn.Module):
         ctx: list[tuple[torch.Tensor, torch.Tensor]] | KVCache,  # per layer (k, v) [B, Hkv, S, D], or one
         # sequence's context cache (B = 1): the block's keys/values are written after its entries, not committed
         ctx_mask: torch.Tensor | None = None,  # [B, 1, 1 or G, S] bool: which context positions each block sees
+        new_ctx: torch.Tensor | None = None,  # [1, n, d] context features (context_features) of the n positions
+        # before the anchor that the context cache lacks: written to it and committed in this forward
     ) -> torch.Tensor:  # [B, G, d] final-normed block states
         g = self.config.block_size
+        n = 0 if new_ctx is None else new_ctx.shape[1]
+        if n and not (isinstance(ctx, KVCache) and ctx.length + n == int(anchor_pos[0])):
+            raise ValueError("new context rows must end at the anchor of one sequence's context cache")
         tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
         x = embed(tokens).to(self.fc.weight.dtype)
-        positions = anchor_pos[:, None] + torch.arange(g, device=anchors.device)[None]
+        positions = anchor_pos[:, None] + torch.arange(-n, g, device=anchors.device)[None]
         cos, sin = self.rotary_emb(positions, x.dtype)
         mask = None
         if ctx_mask is not None:  # the block always sees itself
             own = torch.ones(*ctx_mask.shape[:2], g, g, dtype=torch.bool, device=ctx_mask.device)
             mask = torch.cat([ctx_mask.expand(-1, -1, g, -1), own], dim=-1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, (ctx, i) if isinstance(ctx, KVCache) else ctx[i], mask)
+            x = layer(x, cos, sin, (ctx, i) if isinstance(ctx, KVCache) else ctx[i], mask, new_ctx)
+        if n:
+            ctx.advance(n)
         return self.norm(x)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V]
