@@ -80,9 +80,11 @@ def main() -> None:
         verify, plain = torch.tensor([ids[-1:] + [ids[-1]] * g]), torch.tensor([ids[-1:]])
         n = args.repeats
         propose = median_ms(lambda: drafter.propose(request), n)
-        head = median_ms(lambda: target.lm_head(h.to(target.dtype)), n)
+        head = median_ms(lambda: drafter._block_logits(h.to(target.dtype)), n)  # the draft vocabulary's rows
         parts = {"block forward": median_ms(block, n), "LM head": head}
-        print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, matmuls={target.matmuls}")
+        vocab = "all" if drafter.draft_vocab is None else drafter.draft_vocab.numel()
+        print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, matmuls={target.matmuls}, "
+              f"draft vocabulary {vocab} tokens")
         print(f"  propose ({g} drafts)        {propose:7.2f} ms")
         for name, ms in parts.items():
             print(f"    {name:24s}{ms:7.2f} ms")

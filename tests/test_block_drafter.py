@@ -435,3 +435,13 @@ def test_draft_vocabulary_files_load_or_fail_clearly(tmp_path, target):
     assert load_block_drafter(d, target, draft_vocab=False).draft_vocab is None
     with pytest.raises(ValueError, match="size"):
         top_tokens(counts, 0)
+
+
+def test_full_vocab_spec_ignores_the_draft_vocabulary(tmp_path, target):
+    d = tmp_path / "d"
+    save_block_drafter(make_block(target, head="markov", confidence=True), d)
+    (d / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 7, 50]}))
+    kw = dict(target=target, dtype=torch.float32, device=torch.device("cpu"))
+    assert build_drafter(f"dspark:{d}", **kw).draft_vocab.tolist() == [1, 7, 50]
+    assert build_drafter(f"dspark:{d}:full-vocab", **kw).draft_vocab is None
+    assert build_drafter(f"lookup:block:{d}:full-vocab", **kw).inner.draft_vocab is None

@@ -329,20 +329,29 @@ def _bench_spec(kind: str):
     return spec
 
 
+FULL_VOCAB = ":full-vocab"  # a spec suffix: ignore the directory's draft vocabulary
+
+
+def _load_spec(arg: str, target: Transformer) -> BlockDrafter:
+    full = arg.endswith(FULL_VOCAB)
+    return load_block_drafter(arg.removesuffix(FULL_VOCAB), target, draft_vocab=not full)
+
+
 @register_drafter("block", bench_spec=_bench_spec("block"))
 def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
-    """`block:DIR`: a trained parallel (or DSpark) block drafter for this target."""
+    """`block:DIR[:full-vocab]`: a trained parallel (or DSpark) block drafter for this target; with `:full-vocab`
+    it drafts from every token even where DIR ships a draft vocabulary."""
     if arg is None:
         raise CheckpointError("the block drafter needs a checkpoint: block:DIR")
-    return load_block_drafter(arg, target)
+    return _load_spec(arg, target)
 
 
 @register_drafter("dspark", bench_spec=_bench_spec("dspark"))
 def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
-    """`dspark:DIR`: a block drafter with DSpark's Markov head and confidence head."""
+    """`dspark:DIR[:full-vocab]`: a block drafter with DSpark's Markov head and confidence head."""
     if arg is None:
         raise CheckpointError("the dspark drafter needs a checkpoint: dspark:DIR")
-    drafter = load_block_drafter(arg, target)
+    drafter = _load_spec(arg, target)
     if drafter.model.config.head != "markov":
         raise CheckpointError(f"{arg} is a parallel block drafter; load it as block:{arg}")
     return drafter
