@@ -67,3 +67,12 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     assert (tmp_path / "out" / "serve_pareto.png").stat().st_size > 0
     assert "| arm |" in (tmp_path / "out" / "serve_summary.md").read_text()
     assert per_user_at([(1.0, 10.0), (3.0, 5.0)], 2.0) == 7.5 and per_user_at([(1.0, 10.0)], 2.0) is None
+
+
+def test_method_labels_tell_specs_of_one_drafter_apart():
+    from verispec.bench.suite import method_labels
+
+    got = method_labels(["ngram", "dspark:zoo/dspark", "dspark:zoo/dspark:full-vocab", "lookup:dspark:zoo/dspark"])
+    assert got == {"ngram": "ngram", "dspark:zoo/dspark": "dspark (zoo/dspark)",
+                   "dspark:zoo/dspark:full-vocab": "dspark (zoo/dspark:full-vocab)",
+                   "lookup:dspark:zoo/dspark": "lookup"}

@@ -10,7 +10,9 @@ from conftest import tiny_model
 
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
-from verispec.drafters.block import BlockDrafter, load_block_drafter, save_block_drafter
+from verispec.drafters.block import (
+    BlockDrafter, load_block_drafter, read_block_drafter, save_block_drafter,
+)
 from verispec.model import save_model
 from verispec.train.block import BlockTrainConfig, sample_blocks, train_block_drafter
 from verispec.train.losses import LOSSES
@@ -87,6 +89,24 @@ def test_resume_continues_exactly(setup, tmp_path):
     b = train_block_drafter(path / "target", seqs, tmp_path / "b", cfg(), 3, progress=False)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
+
+
+def test_warm_start_begins_from_the_shipped_weights(setup, tmp_path):
+    """--init-from: training starts from the given drafter's weights (at lr 0 they stay: weight decay is scaled
+    by lr too), and a drafter of another architecture is refused by name."""
+    from verispec.errors import CheckpointError
+
+    path, target, seqs = setup
+    save_block_drafter(train_block_drafter(path / "target", seqs, tmp_path / "a", cfg(), 3, progress=False),
+                       tmp_path / "shipped")
+    shipped = read_block_drafter(tmp_path / "shipped", target.config).state_dict()
+    warm = cfg(lr=0.0, init_from=str(tmp_path / "shipped"))
+    model = train_block_drafter(path / "target", seqs, tmp_path / "b", warm, 3, progress=False)
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, shipped[name]), name
+    other = cfg(markov_rank=4, init_from=str(tmp_path / "shipped"))
+    with pytest.raises(CheckpointError, match="block config"):
+        train_block_drafter(path / "target", seqs, tmp_path / "c", other, 3, progress=False)
 
 
 def test_ablation_claims_are_computed_from_the_numbers():

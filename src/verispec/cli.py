@@ -253,6 +253,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--anchors", type=int, default=None, help="block kinds: random anchors per sequence per step")
     d.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"],
                    help="block kinds: the frozen target's compute dtype (fp32 is faster on CPUs without native bf16)")
+    d.add_argument("--lr", type=float, default=None, help="block kinds: peak learning rate (default 1e-3)")
+    d.add_argument("--init-from", type=Path, default=None,
+                   help="block kinds: warm start from this drafter directory (same architecture; fresh optimizer "
+                        "and schedule)")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_train_drafter)
 

@@ -60,6 +60,13 @@ class Cell:
     diverged: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)  # (prompt, plain, spec)
 
 
+
+def method_labels(specs: list[str]) -> dict[str, str]:
+    """A report's name for each spec: the drafter's name, with the rest of the spec where two specs share one
+    (`dspark (zoo/dspark)` and `dspark (zoo/dspark:full-vocab)`)."""
+    names = [s.split(":")[0] for s in specs]
+    return {s: n if names.count(n) == 1 else f"{n} ({s[len(n) + 1:] or n})" for s, n in zip(specs, names)}
+
 def _task_prompts(cfg: BenchConfig) -> dict[str, list[str]]:
     sets: dict[str, list[str]] = {}
     for task in cfg.tasks:
@@ -150,6 +157,7 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
                 cell.plain_decode_times.append(plain_decode)
     bar.close()
 
+    labels = method_labels(specs)
     records = []
     for (task, s, k), cell in cells.items():
         gaps = []
@@ -158,7 +166,7 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
             gaps.append(_top2_gap(target, prompt + a[:i]))
         plain_tps = cell.tokens / statistics.median(cell.plain_times) if cell.plain_times else 0.0
         records.append({
-            "task": task, "method": s.split(":")[0], "spec": s, "k": k,
+            "task": task, "method": labels[s], "spec": s, "k": k,
             "tau": cell.stats.tau, "acceptance_rate": cell.stats.acceptance_rate,
             "accepted_per_pos": conditional_acceptance(cell.stats),
             "tokens_per_s": cell.tokens / statistics.median(cell.times),

@@ -260,8 +260,9 @@ def save_block_drafter(model: BlockDraftModel, path: Path, extra: dict | None = 
     save_file(state, str(path / "model.safetensors"))
 
 
-def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool = True) -> BlockDrafter:
-    """A trained block drafter for `target`; `draft_vocab=False` ignores the directory's draft vocabulary."""
+def read_block_drafter(path: str | Path, target_cfg) -> BlockDraftModel:
+    """The fp32 BlockDraftModel stored in `path` (config.json + model.safetensors), checked against the target's
+    config; a CheckpointError names whatever does not fit."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
@@ -271,7 +272,7 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
         cfg = BlockConfig(**meta["block"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{cfg_file} is not a block drafter config: {e}") from None
-    t, want = target.config, meta.get("target", {})
+    t, want = target_cfg, meta.get("target", {})
     for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if want.get(key) != getattr(t, key):
             raise CheckpointError(f"block drafter {path} was trained for a target with {key}={want.get(key)}, "
@@ -286,6 +287,14 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
         if state[k].shape != v.shape:
             raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
     model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model
+
+
+def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool = True) -> BlockDrafter:
+    """A trained block drafter for `target`; `draft_vocab=False` ignores the directory's draft vocabulary."""
+    path = Path(path)
+    t = target.config
+    model = read_block_drafter(path, t)
     # The drafter computes in the target's dtype (bf16 matmuls are about 2x fp32 on CPUs with native bf16),
     # except for a bf16 target on a CPU without native bf16: there its many one-row ops (the head loop) are
     # slower in bf16 and its multi-row matmuls run in fp32 anyway (model.packing), so it computes in fp32. Its

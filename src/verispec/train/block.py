@@ -45,6 +45,9 @@ class BlockTrainConfig:
     # The frozen target's compute dtype. bf16 matches serving; fp32 is the fast choice on CPUs without native
     # bf16 matmuls (several times faster there), at the cost of rare near-tie differences in the continuations.
     target_dtype: str = "bf16"
+    # Warm start: a shipped drafter directory whose weights (same architecture) the first step starts from, with a
+    # fresh optimizer and schedule; a resumed run continues from its own state instead.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.target_dtype not in ("fp32", "bf16"):
@@ -121,6 +124,18 @@ def block_metrics(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
             "per_pos": (hit.long().cumprod(dim=1).float().mean(0)).tolist()}
 
 
+def warm_start(model: BlockDraftModel, drafter_dir: Path, target_cfg) -> None:
+    """Copy a shipped drafter's weights into `model`, which must have its architecture (CheckpointError if not)."""
+    from verispec.drafters.block import read_block_drafter
+    from verispec.errors import CheckpointError
+
+    source = read_block_drafter(drafter_dir, target_cfg)
+    if source.config != model.config:
+        raise CheckpointError(f"cannot warm-start from {drafter_dir}: its block config {source.config} differs from "
+                              f"this run's {model.config}")
+    model.load_state_dict(source.state_dict())
+
+
 def train_block_drafter(
     target_dir: Path, sequences: np.ndarray, out_dir: Path, cfg: BlockTrainConfig, mask_token_id: int,
     progress: bool = True, stop_at: int | None = None, eval_sequences: np.ndarray | None = None,
@@ -140,6 +155,8 @@ def train_block_drafter(
     if (state_dir / "meta.json").is_file():
         meta = load_state(state_dir, model, opt)
         step, elapsed, log = meta["step"], meta["elapsed_s"], meta["log"]
+    elif cfg.init_from is not None:
+        warm_start(model, Path(cfg.init_from), target.config)
     data = torch.from_numpy(sequences.astype(np.int64))
     t_start, last_save = time.perf_counter() - elapsed, time.perf_counter()
 

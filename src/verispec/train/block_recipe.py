@@ -59,6 +59,7 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
         kind=args.kind, loss=args.loss or ("dspark" if args.kind == "dspark" else "ce+decay"),
         block_size=args.block_size, max_steps=args.max_steps or defaults.max_steps,
         anchors=args.anchors or defaults.anchors, target_dtype=args.dtype,
+        lr=args.lr or defaults.lr, init_from=str(args.init_from) if args.init_from else None,
     )
     tokenizer = Tokenizer.from_dir(target)
     mask_id = tokenizer.token_id(MASK_TOKEN)
@@ -90,6 +91,9 @@ def card(summary: dict, target: Path) -> str:
     head = "Markov head (rank {}) and confidence head".format(c["markov_rank"]) if summary["kind"] == "dspark" \
         else "no sequential head (parallel)"
     per_pos = ", ".join(f"{x:.2f}" for x in summary["held_out"]["per_pos"])
+    warm = ""
+    if c.get("init_from"):  # a warm-started leg: its steps come on top of the source drafter's
+        warm = f" --lr {c['lr']} \\\n        --init-from {_shown(Path(c['init_from']))}"
     return f"""# verispec {summary['kind']} drafter
 
 A block drafter for `{_shown(target)}`: {c['num_layers']} decoder layers over the target's hidden states at layers
@@ -103,7 +107,7 @@ The target's own greedy continuations of training-corpus prompts (PSF-licensed P
 
     verispec train drafter --kind {summary['kind']} --loss {summary['loss']} --block-size {c['block_size']} \\
         --anchors {c['anchors']} --max-steps {c['max_steps']} --num-sequences {summary.get('num_sequences', 1536)} \\
-        --dtype {c['target_dtype']}
+        --dtype {c['target_dtype']}{warm}
 
 ## Held-out (validation split continuations)
 - block token accuracy {summary['held_out']['accuracy']:.3f}; greedy acceptance length tau {summary['held_out']['tau']:.2f}
