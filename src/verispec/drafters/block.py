@@ -6,6 +6,10 @@ each verification round verified and kept (`accept`: the anchor and the accepted
 block forward of the drafter plus an O(gamma) head loop; the target forward that verifies a round also yields the
 next round's context. Accepted rows wait (`_pending`) for the next proposal, whose block forward projects them
 with the block in one pass per layer (a one-request proposal; batched ones append them first).
+
+A drafter directory may ship a draft vocabulary (`draft_vocab.json`, FR-Spec; `verispec train draft-vocab`): the
+most frequent tokens of the training text. The LM head and the Markov bias then run over those rows only, the
+costliest per-round ops after the block forward; `block:DIR:full-vocab` / `dspark:DIR:full-vocab` ignore it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from verispec.cache import KVCache
+from verispec.config import ModelConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
 from verispec.errors import CheckpointError
 from verispec.kernels import native
@@ -37,7 +42,8 @@ class BlockDrafter(Drafter):
         self.model, self.target = model.eval(), target
         # FR-Spec: the token ids the drafter may propose, ascending (None: all). Block logits and the Markov bias
         # are computed for these columns only; q is zero elsewhere, so rejection sampling stays exact.
-        self.draft_vocab = None if draft_vocab is None else check_draft_vocab(draft_vocab, target.config.vocab_size)
+        self.draft_vocab = None if draft_vocab is None else check_draft_vocab(
+            draft_vocab, target.config.vocab_size).to(target.device)
         self.needs_hidden_layers = model.config.target_layers  # type: ignore[misc]  (per instance)
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
@@ -260,7 +266,7 @@ def save_block_drafter(model: BlockDraftModel, path: Path, extra: dict | None = 
     save_file(state, str(path / "model.safetensors"))
 
 
-def read_block_drafter(path: str | Path, target_cfg) -> BlockDraftModel:
+def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftModel:
     """The fp32 BlockDraftModel stored in `path` (config.json + model.safetensors), checked against the target's
     config; a CheckpointError names whatever does not fit."""
     path = Path(path)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.config import ModelConfig
 from verispec.model import load_model
 from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.model.transformer import Transformer
@@ -124,7 +125,7 @@ def block_metrics(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
             "per_pos": (hit.long().cumprod(dim=1).float().mean(0)).tolist()}
 
 
-def warm_start(model: BlockDraftModel, drafter_dir: Path, target_cfg) -> None:
+def warm_start(model: BlockDraftModel, drafter_dir: Path, target_cfg: ModelConfig) -> None:
     """Copy a shipped drafter's weights into `model`, which must have its architecture (CheckpointError if not)."""
     from verispec.drafters.block import read_block_drafter
     from verispec.errors import CheckpointError
