@@ -63,6 +63,7 @@ class BlockDrafter(Drafter):
             self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim,
             cfg.context_limit + self.model.config.block_size, dtype=self._ctx_dtype, device=self.target.device,
         )
+        self._pending.pop(seq_id, None)  # a restarted sequence keeps nothing of its previous run
 
     def finish(self, seq_id: int) -> None:
         self._ctx.pop(seq_id, None)
