@@ -1,6 +1,7 @@
 """Where a speculative round's time goes, piece by piece: a block drafter's propose (block forward, LM head, head
 loop), its context append (alone, and fused with the next propose as a round runs it), and the target's verify
-and plain steps. Medians of repeated calls on one held-out code prompt; the bench's `ms/round (draft)` column is the same split measured inside whole generations.
+and plain steps. Medians of repeated calls on one held-out code prompt; the bench's `ms/round (draft)` column is
+the same split measured inside whole generations.
 
     python scripts/round_cost.py [--drafter dspark:zoo/dspark] [--dtype fp32] [--context 450] [--threads 2]
 """
