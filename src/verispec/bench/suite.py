@@ -60,12 +60,12 @@ class Cell:
     diverged: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)  # (prompt, plain, spec)
 
 
-
 def method_labels(specs: list[str]) -> dict[str, str]:
     """A report's name for each spec: the drafter's name, with the rest of the spec where two specs share one
     (`dspark (zoo/dspark)` and `dspark (zoo/dspark:full-vocab)`)."""
     names = [s.split(":")[0] for s in specs]
     return {s: n if names.count(n) == 1 else f"{n} ({s[len(n) + 1:] or n})" for s, n in zip(specs, names)}
+
 
 def _task_prompts(cfg: BenchConfig) -> dict[str, list[str]]:
     sets: dict[str, list[str]] = {}

@@ -125,9 +125,7 @@ class _BlockLayer(nn.Module):
         if isinstance(ctx[0], KVCache):  # new context rows, then the block's keys/values (uncommitted)
             cache, index = ctx
             k, v = cache.write(index, k.to(cache.k.dtype), v.to(cache.v.dtype))
-        else:
-            if n:
-                raise ValueError("new context rows need a context cache")
+        else:  # block_hidden passes new context rows only with a context cache
             ctx_k, ctx_v = ctx
             k = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
             v = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
