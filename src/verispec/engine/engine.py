@@ -198,9 +198,9 @@ class Engine:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                with self._lock:
-                    self._queued -= 1
                 outputs.append(self._finish(req, "abort", None, []))
+                with self._lock:  # after the finish is counted (see _finish)
+                    self._queued -= 1
                 return
         for req in self.running:
             if req.request_id == request_id:
@@ -214,8 +214,6 @@ class Engine:
             if self.reserved_tokens + req.reserved > self.config.cache_budget_tokens:
                 return
             self.waiting.popleft()
-            with self._lock:
-                self._queued -= 1
             req.cache = KVCache.for_model(self.target, max_len=req.reserved)
             self.reserved_tokens += req.reserved
             req.started = time.perf_counter()
@@ -223,18 +221,22 @@ class Engine:
             if req.drafter is not None:
                 self.drafter(req.drafter).start(req.seq_id, req.tokens)
             self.running.append(req)
+            with self._lock:  # only now: has_unfinished() never sees the request in neither place
+                self._queued -= 1
 
     def _finish(
         self, req: Request, reason: str, stop_reason: str | int | None, token_ids: list[int], text: str = ""
     ) -> RequestOutput:
+        # Bookkeeping first, leaving `running` last: another thread that sees has_unfinished() turn False (the
+        # async front, tests polling it) must also see the finish counted and the reservation returned.
+        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+        self.estimator.forget(req.request_id)
         if req in self.running:
-            self.running.remove(req)
             self.reserved_tokens -= req.reserved
             if req.drafter is not None:
                 self.drafter(req.drafter).finish(req.seq_id)
+            self.running.remove(req)
         req.cache = None  # give the memory back now
-        self.estimator.forget(req.request_id)
-        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
         req.stats.elapsed_s = time.perf_counter() - req.arrival
         result = GenerationResult(
             prompt_token_ids=list(req.prompt), token_ids=list(req.stopper.output),
