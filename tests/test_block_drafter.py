@@ -18,6 +18,7 @@ from verispec.drafters import DraftRequest, Verified, build_drafter
 from verispec.drafters.block import BlockDrafter, load_block_drafter, save_block_drafter
 from verispec.engine import Engine
 from verispec.errors import CheckpointError, ConfigError
+from verispec.kernels import native
 from verispec.model import load_model, save_model
 from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.model.packing import cpu_has_native_bf16
@@ -195,10 +196,10 @@ def test_block_drafter_samples_from_target(kind, stat_target):
     _assert_engine_samples_from_target(drafter, stat_target)
 
 
-def _assert_engine_samples_from_target(drafter: BlockDrafter, stat_target) -> None:
+def _assert_engine_samples_from_target(drafter: BlockDrafter, stat_target, max_running: int = 250) -> None:
     """N_STAT seeded requests through the engine: consecutive output pairs follow the target's exact joints."""
     joints = exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)
-    engine = Engine(stat_target, None, EngineConfig(k=2, drafter="b", max_running=250, max_queued=N_STAT),
+    engine = Engine(stat_target, None, EngineConfig(k=2, drafter="b", max_running=max_running, max_queued=N_STAT),
                     drafters={"b": drafter})
     for i in range(N_STAT):
         engine.add_request(S_PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i), request_id=str(i))
@@ -443,3 +444,97 @@ def test_full_vocab_spec_ignores_the_draft_vocabulary(tmp_path, target):
     assert build_drafter(f"dspark:{d}", **kw).draft_vocab.tolist() == [1, 7, 50]
     assert build_drafter(f"dspark:{d}:full-vocab", **kw).draft_vocab is None
     assert build_drafter(f"lookup:block:{d}:full-vocab", **kw).inner.draft_vocab is None
+
+
+# ---- the native block layer (kernels/blocklayer.c) ---------------------------------------------------------------
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts calls of the native block layer (and fails a test that expects it where the kernels are missing)."""
+    if not native.available():
+        pytest.skip("native kernels unavailable on this machine")
+    calls = []
+    inner = native.block_layer
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape)
+        return inner(*args, **kw)
+
+    monkeypatch.setattr(native, "block_layer", counted)
+    return calls
+
+
+@pytest.mark.parametrize("pending", [0, 3])
+def test_native_block_layers_equal_the_torch_layers(pending, target, native_calls):
+    """A loaded drafter (fused, packed) proposes for one sequence through kernels/blocklayer.c: the same drafts,
+    confidences, block states and context cache (the rows it commits and the block's uncommitted ones) as the
+    torch layers, to rounding, with and without accepted rows riding on the proposal."""
+    model = make_block(target, head="markov", confidence=True, block_size=4, seed=3).prepare_inference()
+    prompt = PROMPTS[0]
+    head = len(prompt) - pending
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([prompt]), hidden_layers=(1,))
+    out = {}
+    for use_native in (True, False):
+        model.use_native = use_native
+        drafter = BlockDrafter(model, target)
+        _observed(drafter, 0, prompt[:head], target)
+        if pending:
+            drafter.accept(Verified(0, pending - 1, [], {1: hidden[1][0, head - 1 : head - 1 + pending]}))
+        draft = drafter.propose([DraftRequest(0, prompt, 4, SamplingParams(), None)])[0]
+        cache = drafter._ctx[0]
+        with torch.inference_mode():  # the block again over the committed context: its states and cache rows
+            h = model.block_hidden(target.model.embed_tokens, torch.tensor([prompt[-1]]),
+                                   torch.tensor([len(prompt) - 1]), cache)
+        end = cache.length + model.config.block_size
+        out[use_native] = (draft, h, cache.k[:, :, :, :end].clone(), cache.v[:, :, :, :end].clone(), cache.length)
+    model.use_native = True
+    assert len(native_calls) == 2 * model.config.num_layers  # the proposal and the check above, every layer
+    (a, ha, ka, va, la), (b, hb, kb, vb, lb) = out[True], out[False]
+    assert a.tokens == b.tokens and len(a.tokens) == 4 and la == lb == len(prompt) - 1
+    torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)
+    for x, y in ((ha, hb), (ka, kb), (va, vb)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_native_block_layers_stay_out_of_batches_and_training(target, native_calls):
+    """Batched proposals (padded, masked) and anything that wants a gradient keep the torch layers."""
+    model = make_block(target, head="markov", confidence=True).prepare_inference()
+    drafter = BlockDrafter(model, target)
+    reqs = []
+    for i, p in enumerate(PROMPTS[:2]):
+        _observed(drafter, i, p, target)
+        reqs.append(DraftRequest(i, p, 4, SamplingParams(), None))
+    drafter.propose(reqs)
+    assert native_calls == []
+    with torch.inference_mode():
+        drafter.propose(reqs[:1])
+    assert len(native_calls) == model.config.num_layers
+    ctx = drafter._ctx[0]
+    x = torch.zeros(1, 4, target.config.hidden_size, requires_grad=True)
+    assert model._native_packs(x, ctx, None) is None  # a gradient is wanted
+    with torch.no_grad():
+        assert model._native_packs(x.detach(), ctx, None) is not None
+        assert model._native_packs(x.detach().bfloat16(), ctx, None) is None
+
+
+@pytest.mark.parametrize("kind", ["parallel", "dspark"])
+def test_native_block_drafter_greedy_equals_plain(kind, target, plain, native_calls):
+    """A1 with loaded (fused, native) block drafters through decode and the engine."""
+    model = make_block(target, **KINDS[kind]).prepare_inference()
+    for prompt, ref in zip(PROMPTS, plain):
+        out = decode(target, prompt, GREEDY, drafter=BlockDrafter(model, target), spec=SpecConfig(k=4))
+        assert out.token_ids == ref and out.stats.num_drafts > 0
+    engine = Engine(target, None, EngineConfig(k=4, drafter="b", max_running=1),
+                    drafters={"b": BlockDrafter(model, target)})
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    results = engine.run_until_done()
+    assert [results[i].token_ids for i in ids] == plain
+    assert native_calls
+
+
+def test_native_block_drafter_samples_from_target(stat_target, native_calls):
+    """A5 through the engine one request at a time, so that every proposal takes the native layers."""
+    model = make_block(stat_target, block_size=2, std=0.5, **KINDS["dspark"]).prepare_inference()
+    _assert_engine_samples_from_target(BlockDrafter(model, stat_target), stat_target, max_running=1)
+    assert native_calls

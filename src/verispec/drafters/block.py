@@ -27,7 +27,7 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Ve
 from verispec.errors import CheckpointError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
-from verispec.model.packing import PackedLinear, cpu_has_native_bf16, linear, pack, weight_version
+from verispec.model.packing import cpu_has_native_bf16, linear, pack, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -314,13 +314,7 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
         dtype = torch.float32
     model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
-    # Loaded for inference: fused, packed matmuls for the block layers and the context projection. The head loop's
-    # one-row layers stay on F.linear (oneDNN packs were slower there: zoo/dspark Markov head 129 us against 153
-    # us); with the native kernels the greedy head loop is one call (kernels/markov.c).
-    for layer in model.layers:
-        layer.fuse()
-    model.fc = PackedLinear(model.fc)
-    return BlockDrafter(model, target, temps, vocab)
+    return BlockDrafter(model.prepare_inference(), target, temps, vocab)
 
 
 VOCAB_FILE = "draft_vocab.json"

@@ -1,6 +1,6 @@
 """verispec's own CPU kernels, compiled on first use and called through ctypes: the matmul of inference
-(`gemm.c`), attention of a few queries over a KV cache (`attention.c`) and the greedy DSpark head loop
-(`markov.c`). Each computes a row (a token, a query) in one fixed order whatever else is in the call, so a
+(`gemm.c`), attention of a few queries over a KV cache (`attention.c`), the greedy DSpark head loop
+(`markov.c`) and a block drafter's layer in one call (`blocklayer.c`). Each computes a row (a token, a query) in one fixed order whatever else is in the call, so a
 verify step over 9 tokens gives each token what a one-token step gives it.
 
 The kernels are plain C files built with the system C compiler (`$CC`, else `cc`) into the user cache, one
@@ -27,7 +27,7 @@ import torch
 
 from verispec.paths import user_cache
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm.c", "attention.c", "markov.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c"))
 COLS = 8  # columns per packed block (one AVX2 vector of fp32)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 
@@ -81,6 +81,10 @@ def _load() -> ctypes.CDLL | None:
     g = lib.vs_markov_greedy
     g.restype = ctypes.c_int
     g.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]
+    b = lib.vs_block_layer
+    b.restype = ctypes.c_int
+    b.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, cint, ptr, cint, ptr, cint,
+                  ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint]
     return lib
 
 
@@ -208,3 +212,35 @@ def attention(
     if rc != 0:
         raise ValueError(f"native attention failed ({rc}): heads {h}/{hkv}, head_dim {d}")
     return out.transpose(1, 2)
+
+
+def block_layer(
+    x: torch.Tensor,  # [G, d] fp32 contiguous: the block's residual stream, updated in place
+    ctx: torch.Tensor | None,  # [n, d] fp32 contiguous context features (written to the cache first), or None
+    norms: tuple[torch.Tensor, ...],  # fp32 input_layernorm [d], post_attention_layernorm [d], q_norm [D], k_norm [D]
+    eps: float,
+    weights: tuple[torch.Tensor, ...],  # pack()ed qkv, o_proj, gate_up, down_proj (bf16 or fp32 each)
+    dims: tuple[int, int, int, int],  # H, Hkv, D, F (the MLP's intermediate size)
+    rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [n + G, D] for the rows' positions, contiguous
+    kv: tuple[torch.Tensor, torch.Tensor],  # this layer's cache k, v [Hkv, S_max, D] fp32, rows contiguous
+    start: int,  # cached positions: the rows go to start .. start + n + G - 1
+) -> None:
+    """A block drafter layer (model/block.py) in one native call: see blocklayer.c."""
+    lib = _required()
+    g, d = x.shape
+    n = 0 if ctx is None else ctx.shape[0]
+    h, hkv, hd, ffn = dims
+    k, v = kv
+    if k.stride() != v.stride() or k.stride(-1) != 1 or start + n + g > k.shape[1]:
+        raise ValueError("native block layer: the cache rows do not fit or k and v differ in layout")
+    wq, wo, wgu, wd = weights
+    cos, sin = rope
+    bf16 = torch.bfloat16
+    rc = lib.vs_block_layer(
+        x.data_ptr(), g, d, None if ctx is None else ctx.data_ptr(), n, *(t.data_ptr() for t in norms), eps,
+        wq.data_ptr(), wq.dtype == bf16, wo.data_ptr(), wo.dtype == bf16, wgu.data_ptr(), wgu.dtype == bf16,
+        wd.data_ptr(), wd.dtype == bf16, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
+        v.data_ptr(), k.stride(0), k.stride(1), start, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"native block layer failed ({rc})")

@@ -104,6 +104,33 @@ class _BlockLayer(nn.Module):
         _, k, v = self._project(x, with_q=False)
         return self._rope_kv(k, v, cos, sin)
 
+    def native_packs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The packed qkv, o, gate/up and down weights for native_forward, or None unless every one is a valid
+        native pack for an fp32 input like x (fused and packed at load, unchanged since)."""
+        pairs = ((self.qkv_weight, self.qkv_packed), (self.o_proj.weight, getattr(self.o_proj, "packed", None)),
+                 (self.mlp.gate_up_weight, self.mlp.gate_up_packed),
+                 (self.mlp.down_proj.weight, getattr(self.mlp.down_proj, "packed", None)))
+        if x.dtype != torch.float32 or self.head_dim > 512 or self.head_dim % 8:
+            return None
+        if any(p is None or w is None or p.kind != "native" or not p.usable(w, x) for w, p in pairs):
+            return None
+        return tuple(p.packed for _, p in pairs)
+
+    def native_forward(
+        self,
+        x: torch.Tensor,  # [G, d] fp32 block, updated in place
+        packs: tuple[torch.Tensor, ...],  # native_packs(x)
+        cos: torch.Tensor, sin: torch.Tensor,  # [n + G, D] fp32, positions of the new context rows and the block
+        cache: KVCache, index: int,  # one sequence's context cache and this layer's index in it
+        new_ctx: torch.Tensor | None,  # [n, d] fp32 context features to write before the block's rows
+    ) -> None:
+        """forward() for one sequence over its context cache, in one native call (kernels/blocklayer.c)."""
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.q_norm.weight,
+                 self.k_norm.weight)
+        dims = (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features)
+        native.block_layer(x, new_ctx, norms, self.input_layernorm.eps, packs, dims, (cos, sin),
+                           (cache.k[index, 0], cache.v[index, 0]), cache.length)
+
     def forward(
         self,
         x: torch.Tensor,  # [B, G, d] block
@@ -158,6 +185,16 @@ class BlockDraftModel(nn.Module):
         if cfg.confidence:
             self.confidence_head = nn.Linear(d + cfg.markov_rank, 1)
 
+    def prepare_inference(self) -> BlockDraftModel:
+        """Inference only: fused, packed matmuls for the block layers and the context projection, which also lets
+        one-sequence proposals run each layer natively (kernels/blocklayer.c). The head loop's one-row layers stay
+        on F.linear (oneDNN packs were slower there: zoo/dspark Markov head 129 us against 153 us); with the native
+        kernels the greedy head loop is one call (kernels/markov.c)."""
+        for layer in self.layers:
+            layer.fuse()
+        self.fc = PackedLinear(self.fc)
+        return self
+
     # ---- context ----------------------------------------------------------------------------------------------
     def context_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:  # {layer: [..., T, d]} -> [..., T, d]
         h = torch.cat([hidden[layer] for layer in self.config.target_layers], dim=-1)
@@ -202,11 +239,31 @@ class BlockDraftModel(nn.Module):
         if ctx_mask is not None:  # the block always sees itself
             own = torch.ones(*ctx_mask.shape[:2], g, g, dtype=torch.bool, device=ctx_mask.device)
             mask = torch.cat([ctx_mask.expand(-1, -1, g, -1), own], dim=-1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, (ctx, i) if isinstance(ctx, KVCache) else ctx[i], mask, new_ctx)
+        packs = self._native_packs(x, ctx, mask)
+        if packs is not None:  # one sequence over its cache: one native call per layer
+            feats = None if not n else new_ctx[0].to(torch.float32).contiguous()
+            rows, cos2, sin2 = x[0], cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()  # [G, d], [n + G, D]
+            for i, layer in enumerate(self.layers):
+                layer.native_forward(rows, packs[i], cos2, sin2, ctx, i, feats)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, (ctx, i) if isinstance(ctx, KVCache) else ctx[i], mask, new_ctx)
         if n:
             ctx.advance(n)
         return self.norm(x)
+
+    # Where a proposal takes kernels/blocklayer.c: one sequence over its context cache (no mask), fp32 activations
+    # and cache, no gradient, every layer fused and natively packed at load. Elsewhere (training, batched
+    # proposals, other devices) the torch layers; the two agree to rounding (tests/test_block_drafter.py).
+    use_native = True
+
+    def _native_packs(self, x, ctx, mask) -> list[tuple[torch.Tensor, ...]] | None:
+        if not (self.use_native and mask is None and isinstance(ctx, KVCache) and x.shape[0] == 1):
+            return None
+        if ctx.k.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        packs = [layer.native_packs(x) for layer in self.layers]
+        return None if any(p is None for p in packs) else packs  # type: ignore[return-value]
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V]
         return self.markov_out(self.markov_in(prev))

@@ -1,0 +1,100 @@
+/* One layer of a block drafter's inference forward in one call (model/block.py, _BlockLayer.forward), fp32
+ * activations, for a single sequence over its context cache: the layer's dozens of small torch ops cost more
+ * than its matmuls at a block's 8-17 rows.
+ *
+ *   in    = [ctx (n rows, already normed context features) ; rmsnorm(x) (G rows)]
+ *   q,k,v = in @ Wqkv^T;  q (block rows only) and k get their per-head RMSNorm, then RoPE
+ *   cache rows S0 .. S0 + n + G - 1 <- k, v   (the caller commits the n context rows, not the block's)
+ *   x    += o_proj(attention(q, cache rows 0 .. S0 + n + G - 1))   (every key visible: bidirectional block)
+ *   x    += down(silu(gate) * up),  [gate ; up] = rmsnorm(x) @ Wgu^T
+ *
+ * The matmuls and attention are vs_linear / vs_attention (gemm.c, attention.c); the rest is plain loops over a few
+ * rows. Weights are packed as gemm.c packs them (bf16 or fp32 each). Returns 0, -1 out of memory, -2 bad shapes,
+ * or the first failing kernel's code. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
+              const float *bias, int64_t N, void *y, int out_bf16, int threads);
+int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
+                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
+                 float *out, int64_t causal_from, float scale, int threads);
+
+/* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], as torch's RMSNorm in fp32 (up to summation order). */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
+    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
+}
+
+/* A head's RMSNorm, then RoPE with the signed-sin table of layers.py: out = x * cos + [x2, x1] * sin. */
+static void norm_rope(const float *x, const float *w, int64_t D, float eps, const float *cos, const float *sin,
+                      float *out) {
+    float t[512];
+    rmsnorm(x, w, D, eps, t);
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        out[i] = t[i] * cos[i] + t[i + h] * sin[i];
+        out[i + h] = t[i + h] * cos[i + h] + t[i] * sin[i + h];
+    }
+}
+
+int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, const float *ln1, const float *ln2,
+                   const float *qn, const float *kn, float eps, const void *w_qkv, int qkv_bf16, const void *w_o,
+                   int o_bf16, const void *w_gu, int gu_bf16, const void *w_down, int down_bf16, int64_t F,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, float *kc, float *vc,
+                   int64_t ksh, int64_t kss, int64_t S0, int threads) {
+    if (D > 512 || D % 2 != 0 || H % Hkv != 0 || G <= 0 || n < 0) return -2;
+    const int64_t R = n + G, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
+    int rc = 0;
+    float *in = (float *)malloc((size_t)(R * d) * sizeof(float));
+    float *qkv = (float *)malloc((size_t)(R * nqkv) * sizeof(float));
+    float *q = (float *)malloc((size_t)(G * nq) * sizeof(float));
+    float *att = (float *)malloc((size_t)(G * nq) * sizeof(float));
+    float *h = (float *)malloc((size_t)(G * d) * sizeof(float));
+    float *gu = (float *)malloc((size_t)(G * 2 * F) * sizeof(float));
+    if (!in || !qkv || !q || !att || !h || !gu) {
+        rc = -1;
+        goto done;
+    }
+    if (n) memcpy(in, ctx, (size_t)(n * d) * sizeof(float));
+    for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln1, d, eps, in + (n + g) * d);
+    if ((rc = vs_linear(in, 0, R, d, d, w_qkv, qkv_bf16, NULL, nqkv, qkv, 0, threads))) goto done;
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = qkv + r * nqkv, *c = cos + r * D, *s = sin + r * D;
+        if (r >= n)
+            for (int64_t hh = 0; hh < H; hh++) norm_rope(row + hh * D, qn, D, eps, c, s, q + (r - n) * nq + hh * D);
+        for (int64_t hh = 0; hh < Hkv; hh++) {
+            norm_rope(row + nq + hh * D, kn, D, eps, c, s, kc + hh * ksh + (S0 + r) * kss);
+            memcpy(vc + hh * ksh + (S0 + r) * kss, row + nq + nkv + hh * D, (size_t)D * sizeof(float));
+        }
+    }
+    if ((rc = vs_attention(q, 1, G, H, D, G * nq, nq, D, kc, vc, Hkv, S0 + R, 0, ksh, kss, att, -1,
+                           1.0f / sqrtf((float)D), threads)))
+        goto done;
+    if ((rc = vs_linear(att, 0, G, nq, nq, w_o, o_bf16, NULL, d, h, 0, threads))) goto done;
+    for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
+    for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln2, d, eps, h + g * d);
+    if ((rc = vs_linear(h, 0, G, d, d, w_gu, gu_bf16, NULL, 2 * F, gu, 0, threads))) goto done;
+    for (int64_t g = 0; g < G; g++) { /* silu(gate) * up, into the gate half */
+        float *a = gu + g * 2 * F;
+        for (int64_t i = 0; i < F; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * a[F + i];
+    }
+    if ((rc = vs_linear(gu, 0, G, F, 2 * F, w_down, down_bf16, NULL, d, h, 0, threads))) goto done;
+    for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
+done:
+    free(in);
+    free(qkv);
+    free(q);
+    free(att);
+    free(h);
+    free(gu);
+    return rc;
+}
