@@ -408,3 +408,20 @@ def test_sample_seeded_and_shaped():
     assert a.shape == (2, 3) and torch.equal(a, b)
     g = sampling.make_generator(123)
     assert torch.equal(g.get_state(), torch.Generator().manual_seed(123).get_state())
+
+
+def test_greedy_single_request_equals_the_batched_rule():
+    """greedy_verify's one-request shortcut (no ragged layout) commits what the batched rule commits for that
+    request, with tie-heavy logits, every draft length including 0, and the same output shapes and dtypes."""
+    g = torch.Generator().manual_seed(1)
+    for k in range(6):
+        for _ in range(40):
+            drafts = torch.randint(0, 4, (k,), generator=g)
+            logits = torch.randint(0, 3, (k + 1, 4), generator=g).float()
+            other = torch.randint(0, 3, (3, 4), generator=g).float()  # a second request, k = 2
+            alone = greedy_verify(drafts, torch.tensor([k]), logits)
+            batched = greedy_verify(torch.cat([drafts, torch.tensor([1, 2])]), torch.tensor([k, 2]),
+                                    torch.cat([logits, other]))
+            assert alone.tokens.dtype == alone.num_accepted.dtype == torch.long
+            assert alone.tokens.tolist() == batched.tokens[:1, : k + 1].tolist()
+            assert alone.num_accepted.tolist() == batched.num_accepted[:1].tolist()

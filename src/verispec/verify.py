@@ -100,6 +100,14 @@ def greedy_verify(
     num_draft: torch.Tensor,  # [B] k_b per request, sum = N
     target_logits: torch.Tensor,  # [N + B, V]
 ) -> VerifyOutput:
+    if num_draft.numel() == 1:  # one request (a reference-loop round): the same rule, no ragged layout to build
+        best = target_logits.argmax(dim=-1)  # [k+1]
+        k = draft_tokens.numel()
+        a = int(_leading_true((draft_tokens.long() == best[:k])[None]))
+        tokens = torch.full((1, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=best.device)
+        tokens[0, :a] = draft_tokens[:a]
+        tokens[0, a] = best[a]
+        return VerifyOutput(tokens, torch.tensor([a], device=best.device))
     layout = _Layout.build(num_draft, target_logits.shape[0])
     target_argmax = target_logits.argmax(dim=-1)[layout.target_index]  # [B, K+1]
     drafts = _padded_drafts(draft_tokens, layout)
