@@ -7,7 +7,8 @@
  * exactly what a one-token decode step computes.
  *
  * Rows are taken 6 at a time (12 accumulators: 6 rows x 2 vectors of 8 columns), all rows of a column group
- * before the next group, so the group's weights (K x 64 bytes at most) are read from memory once per call.
+ * before the next group, so the group's weights (K x 64 bytes at most) are read from memory once per call, and
+ * prefetched ahead of the FMAs that use them.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,6 +18,11 @@
 #define COLS 8 /* columns per packed block: one AVX2 vector */
 #define MR_WIDE 6 /* rows of a two-block tile (12 accumulators) */
 #define MR_TALL 12 /* rows of a one-block tile (12 accumulators) */
+/* Software prefetch distance in the packed weights. A decode or verify step streams every weight from memory once
+ * and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (shipped target, bf16, a 33-matmul
+ * forward with its weights out of cache, 2-vCPU Zen 3: 5.0 -> 3.8 ms at 1 row, 11.2 -> 7.7 ms at 9 rows). A
+ * prefetch never faults, so running past the end of the weights is harmless. */
+#define PREFETCH 2048
 
 static inline __m256 load_w_bf16(const void *w, int64_t i) {
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
@@ -61,7 +67,7 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
  * loops unroll and the accumulators stay in registers. x is the tile's rows interleaved, x[k * rows + m], so every
  * broadcast is one pointer plus a constant (12 row pointers would not fit in registers beside the accumulators).
  * w points at block n0 / 8; blocks are K * 8 apart. */
-#define TILE(NAME, LOAD)                                                                                          \
+#define TILE(NAME, LOAD, ESZ)                                                                                          \
     static inline __attribute__((always_inline)) void NAME(                                                        \
         const int rows, const int blocks, const float *x, int64_t K, const void *w, const float *bias, void *y,   \
         int64_t N, int out_bf16, int64_t n0) {                                                                    \
@@ -69,6 +75,9 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
         _Pragma("GCC unroll 12") for (int m = 0; m < rows; m++)                                                   \
             _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++) acc[m][b] = _mm256_setzero_ps();             \
         for (int64_t k = 0; k < K; k++) {                                                                         \
+            if (k % (64 / (COLS * ESZ)) == 0) /* a line of each block's weights, PREFETCH bytes ahead */          \
+                _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++)                                          \
+                    _mm_prefetch((const char *)w + ((b * K + k) * COLS * ESZ + PREFETCH), _MM_HINT_T0);           \
             __m256 wv[2];                                                                                         \
             _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++) wv[b] = LOAD(w, (b * K + k) * COLS);         \
             _Pragma("GCC unroll 12") for (int m = 0; m < rows; m++) {                                             \
@@ -87,8 +96,8 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
         }                                                                                                         \
     }
 
-TILE(tile_bf16, load_w_bf16)
-TILE(tile_f32, load_w_f32)
+TILE(tile_bf16, load_w_bf16, 2)
+TILE(tile_f32, load_w_f32, 4)
 
 /* One out-of-line function per (weight dtype, rows, blocks): compiled alone, each tile gets the whole register
  * file (inlined into the threaded loop, GCC spilled accumulators of the 9-12-row tiles, halving their speed). */
