@@ -8,9 +8,10 @@ weight when it is packed:
   copy of the weight in its own dtype (fp32 or bf16, fp32 accumulation; an fp32 weight that holds bf16 values,
   as a bf16 checkpoint loaded in fp32 does, is packed in bf16: the same results from half the bytes). Every row
   is computed in one fixed order whatever the row count, so a verify step gives each token the matmul results a
-  one-token step gives it. The shipped target's matmuls in bf16 on a 2-vCPU AVX2 machine take 3.3 /
-  5.2 / 7.5 ms at 1 / 9 / 16 rows: 1.8-2.6x faster than oneDNN's packs, 1.1-1.2x faster than bf16 `F.linear` at
-  one row and far more above (`python scripts/kernel_cost.py`; reports/bench-block).
+  one-token step gives it. The shipped target's matmuls in bf16 on a 2-vCPU AVX2 machine take 3.8 /
+  7.3 / 11.2 ms at 1 / 9 / 16 rows in one run (the VM's speed moves between runs): 1.6-2.5x faster than oneDNN's
+  packs, 1.2x faster than bf16 `F.linear` at one row and far more above (`python scripts/kernel_cost.py`;
+  reports/bench-block).
 - `onednn` (elsewhere, where oneDNN packs): the weight packed into oneDNN's blocked layout. For bf16 on a CPU
   without native bf16 (oneDNN cannot pack bf16 there) the pack is the weight's exact fp32 upcast, used from
   BF16_MIN_ROWS rows with the input upcast and the output rounded back to bf16 (a bf16 matmul in another summation
