@@ -5,7 +5,8 @@ committed position before the anchor: the prompt's come from the prefill (`obser
 each verification round verified and kept (`accept`: the anchor and the accepted drafts). So a round costs one
 block forward of the drafter plus an O(gamma) head loop; the target forward that verifies a round also yields the
 next round's context. Accepted rows wait (`_pending`) for the next proposal, whose block forward projects them
-with the block in one pass per layer (a one-request proposal; batched ones append them first).
+with the block in one pass per layer (a one-request proposal; batched ones append them first). A one-request
+proposal runs each draft layer in one native call where the kernels build (model.block, kernels/blocklayer.c).
 
 A drafter directory may ship a draft vocabulary (`draft_vocab.json`, FR-Spec; `verispec train draft-vocab`): the
 most frequent tokens of the training text. The LM head and the Markov bias then run over those rows only, the
