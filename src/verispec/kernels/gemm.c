@@ -67,7 +67,7 @@ static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v
  * loops unroll and the accumulators stay in registers. x is the tile's rows interleaved, x[k * rows + m], so every
  * broadcast is one pointer plus a constant (12 row pointers would not fit in registers beside the accumulators).
  * w points at block n0 / 8; blocks are K * 8 apart. */
-#define TILE(NAME, LOAD, ESZ)                                                                                          \
+#define TILE(NAME, LOAD, ESZ)                                                                                     \
     static inline __attribute__((always_inline)) void NAME(                                                        \
         const int rows, const int blocks, const float *x, int64_t K, const void *w, const float *bias, void *y,   \
         int64_t N, int out_bf16, int64_t n0) {                                                                    \

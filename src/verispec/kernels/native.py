@@ -1,7 +1,8 @@
 """verispec's own CPU kernels, compiled on first use and called through ctypes: the matmul of inference
 (`gemm.c`), attention of a few queries over a KV cache (`attention.c`), the greedy DSpark head loop
-(`markov.c`) and a block drafter's layer in one call (`blocklayer.c`). Each computes a row (a token, a query) in one fixed order whatever else is in the call, so a
-verify step over 9 tokens gives each token what a one-token step gives it.
+(`markov.c`) and a block drafter's layer in one call (`blocklayer.c`, built on the first two). The matmul and
+attention compute a row (a token, a query) in one fixed order whatever else is in the call, so a verify step over
+9 tokens gives each token what a one-token step gives it.
 
 The kernels are plain C files built with the system C compiler (`$CC`, else `cc`) into the user cache, one
 shared library per source hash; no torch headers, so a build takes about a second. It links OpenMP by its soname,
@@ -231,10 +232,13 @@ def block_layer(
     n = 0 if ctx is None else ctx.shape[0]
     h, hkv, hd, ffn = dims
     k, v = kv
+    cos, sin = rope
+    dense = [x, *norms, cos, sin] + ([] if ctx is None else [ctx])
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in dense) or cos.shape != (n + g, hd):
+        raise ValueError("native block layer: x, ctx, norms and rope tables must be contiguous fp32, rope [n + G, D]")
     if k.stride() != v.stride() or k.stride(-1) != 1 or start + n + g > k.shape[1]:
         raise ValueError("native block layer: the cache rows do not fit or k and v differ in layout")
     wq, wo, wgu, wd = weights
-    cos, sin = rope
     bf16 = torch.bfloat16
     rc = lib.vs_block_layer(
         x.data_ptr(), g, d, None if ctx is None else ctx.data_ptr(), n, *(t.data_ptr() for t in norms), eps,
