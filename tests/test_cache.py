@@ -60,6 +60,28 @@ def test_truncate_beyond_length_raises():
         assert c.length == 3
 
 
+def test_drop_front_keeps_the_newest_entries_in_order():
+    """drop_front(n) moves the newest length - n entries (every layer, keys and values) to the front in order and
+    shortens the cache; more than its length is a ValueError that changes nothing."""
+    c = KVCache(L, H, D, T_MAX)
+    for layer in range(L):
+        k = torch.arange(6.0).view(1, 1, 6, 1).expand(1, H, 6, D) + 10 * layer
+        c.write(layer, k, -k)
+    c.advance(6)
+    with pytest.raises(ValueError, match="drop"):
+        c.drop_front(7)
+    assert c.length == 6
+    c.drop_front(0)
+    assert c.length == 6
+    c.drop_front(4)
+    assert c.length == 2
+    for layer in range(L):
+        assert c.k[layer, 0, :, :2, 0].tolist() == [[4.0 + 10 * layer, 5.0 + 10 * layer]] * H
+        assert torch.equal(c.v[layer, :, :, :2], -c.k[layer, :, :, :2])
+    c.drop_front(2)
+    assert c.length == 0
+
+
 def test_overflow_raises():
     """Writing past max_len raises (naming the capacity) and leaves the committed length unchanged."""
     c = KVCache(L, H, D, T_MAX)

@@ -60,6 +60,16 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest n committed entries: the newest length - n move to the front (a sliding window)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot drop {n} entries of a cache of length {self.length}")
+        if n:
+            keep = self.length - n
+            self.k[:, :, :, :keep] = self.k[:, :, :, n : self.length].clone()
+            self.v[:, :, :, :keep] = self.v[:, :, :, n : self.length].clone()
+            self.length = keep
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

@@ -8,6 +8,11 @@ next round's context. Accepted rows wait (`_pending`) for the next proposal, who
 with the block in one pass per layer (a one-request proposal; batched ones append them first). A one-request
 proposal runs each draft layer in one native call where the kernels build (model.block, kernels/blocklayer.c).
 
+The context is a sliding window when the drafter has one (`BlockConfig.context_window` W, or `:window=N` in the
+spec): a proposal sees the latest W..2W positions. The prefill keeps its last W rows (earlier ones are never
+projected); once accepted rows grow the cache past 2W it drops back to the latest W. Keys keep their RoPE
+positions, so only which positions are visible changes, never their relative distances.
+
 A drafter directory may ship a draft vocabulary (`draft_vocab.json`, FR-Spec; `verispec train draft-vocab`): the
 most frequent tokens of the training text. The LM head and the Markov bias then run over those rows only, the
 costliest per-round ops after the block forward; `block:DIR:full-vocab` / `dspark:DIR:full-vocab` ignore it.
@@ -25,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from verispec.cache import KVCache
 from verispec.config import ModelConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
-from verispec.errors import CheckpointError
+from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.model.packing import cpu_has_native_bf16, linear, pack, weight_version
@@ -39,7 +44,7 @@ class BlockDrafter(Drafter):
     name = "block"
 
     def __init__(self, model: BlockDraftModel, target: Transformer, temperatures: list[float] | None = None,
-                 draft_vocab: torch.Tensor | None = None) -> None:
+                 draft_vocab: torch.Tensor | None = None, context_window: int | None = None) -> None:
         self.model, self.target = model.eval(), target
         # FR-Spec: the token ids the drafter may propose, ascending (None: all). Block logits and the Markov bias
         # are computed for these columns only; q is zero elsewhere, so rejection sampling stays exact.
@@ -49,6 +54,10 @@ class BlockDrafter(Drafter):
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
         self._ctx: dict[int, KVCache] = {}
+        self._ctx_start: dict[int, int] = {}  # the position of each context cache's first entry
+        self.window = model.config.context_window if context_window is None else context_window
+        if self.window < 0:
+            raise ValueError(f"context_window must be >= 0 (0: the whole context), got {self.window}")
         # Accepted rows not yet in the context cache, oldest first: {layer: [n, d]} each (see accept)
         self._pending: dict[int, list[dict[int, torch.Tensor]]] = {}
         # Context keys/values (and so the drafter's attention) in fp32 unless the drafter runs in bf16 off the CPU,
@@ -65,15 +74,34 @@ class BlockDrafter(Drafter):
             cfg.context_limit + self.model.config.block_size, dtype=self._ctx_dtype, device=self.target.device,
         )
         self._pending.pop(seq_id, None)  # a restarted sequence keeps nothing of its previous run
+        self._ctx_start[seq_id] = 0
 
     def finish(self, seq_id: int) -> None:
         self._ctx.pop(seq_id, None)
         self._pending.pop(seq_id, None)
+        self._ctx_start.pop(seq_id, None)
 
     @torch.inference_mode()
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         self._flush(seq_id)
-        self.model.append_context(self._ctx[seq_id], self.model.context_features(hidden)[None], start)
+        cache, w = self._ctx[seq_id], self.window
+        if start != self.context_length(seq_id):
+            raise ValueError(f"context cache holds {self.context_length(seq_id)} positions, new rows start at {start}")
+        rows = next(iter(hidden.values())).shape[0]
+        if w and rows >= w:  # nothing before this chunk's last w rows stays visible: never project them
+            cache.truncate(0)
+            self._ctx_start[seq_id] = start + rows - w
+            hidden = {layer: h[rows - w :] for layer, h in hidden.items()}
+        self.model.append_context(cache, self.model.context_features(hidden)[None], self.context_length(seq_id),
+                                  self._ctx_start[seq_id])
+        self._keep_latest(seq_id, w)
+
+    def _keep_latest(self, seq_id: int, rows: int) -> None:
+        """Slide the context window: keep the latest `rows` entries of the cache (0: keep everything)."""
+        cache = self._ctx[seq_id]
+        if rows and cache.length > rows:
+            self._ctx_start[seq_id] += cache.length - rows
+            cache.drop_front(cache.length - rows)
 
     def accept(self, result: Verified) -> None:
         # Rows of the anchor and the accepted drafts: context for positions anchor_pos .. anchor_pos + accepted,
@@ -84,7 +112,7 @@ class BlockDrafter(Drafter):
     def context_length(self, seq_id: int) -> int:
         """Positions of this sequence's context known to the drafter (in its cache or waiting for it)."""
         rows = sum(next(iter(p.values())).shape[0] for p in self._pending.get(seq_id, []))
-        return self._ctx[seq_id].length + rows
+        return self._ctx_start[seq_id] + self._ctx[seq_id].length + rows
 
     def _take_pending(self, seq_id: int) -> torch.Tensor | None:  # [1, n, d] context features, or None
         chunks = self._pending.pop(seq_id, None)
@@ -100,7 +128,7 @@ class BlockDrafter(Drafter):
         feats = self._take_pending(seq_id)
         if feats is not None:
             cache = self._ctx[seq_id]
-            self.model.append_context(cache, feats, cache.length)
+            self.model.append_context(cache, feats, self._ctx_start[seq_id] + cache.length, self._ctx_start[seq_id])
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -117,23 +145,32 @@ class BlockDrafter(Drafter):
             if self.context_length(requests[i].seq_id) != p:
                 raise RuntimeError(f"block drafter context holds {self.context_length(requests[i].seq_id)} "
                                    f"positions, the anchor is at {p}")
-        width = max(pos)
+        if self.window:  # past 2W positions (cache and pending rows), drop back to the latest W
+            for i, p in zip(live, pos):
+                sid = requests[i].seq_id
+                if p - self._ctx_start[sid] > 2 * self.window:
+                    self._flush(sid)
+                    self._keep_latest(sid, self.window)
         caches = [self._ctx[requests[i].seq_id] for i in live]
         anchor_pos = torch.tensor(pos, device=device)
         new_ctx = None
         if len(live) == 1:  # its cache as is (pending rows, then the block's keys/values after its entries), no mask
             ctx: KVCache | list = caches[0]
             mask = None
+            ctx_start = self._ctx_start[requests[live[0]].seq_id]
             new_ctx = self._take_pending(requests[live[0]].seq_id)
         else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
             for i in live:
                 self._flush(requests[i].seq_id)
+            ctx_start = 0  # unused: no new context rows in a batch
+            lengths = torch.tensor([c.length for c in caches], device=device)
+            width = int(lengths.max())
             ctx = [(torch.cat([c.k[layer, :, :, :width] for c in caches]),
                     torch.cat([c.v[layer, :, :, :width] for c in caches])) for layer in range(cfg.num_layers)]
-            mask = (torch.arange(width, device=device)[None] < anchor_pos[:, None])[:, None, None, :]
+            mask = (torch.arange(width, device=device)[None] < lengths[:, None])[:, None, None, :]
         anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
         embed = self.target.model.embed_tokens
-        h = self.model.block_hidden(embed, anchors, anchor_pos, ctx, mask, new_ctx)  # [R, G, d]
+        h = self.model.block_hidden(embed, anchors, anchor_pos, ctx, mask, new_ctx, ctx_start)  # [R, G, d]
         # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
         span = max(budgets[i] for i in live)
         base = self._block_logits(h[:, :span].to(self.target.dtype))  # [R, span, V'] the block logits U
@@ -298,8 +335,10 @@ def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftM
     return model
 
 
-def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool = True) -> BlockDrafter:
-    """A trained block drafter for `target`; `draft_vocab=False` ignores the directory's draft vocabulary."""
+def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool = True,
+                       context_window: int | None = None) -> BlockDrafter:
+    """A trained block drafter for `target`; `draft_vocab=False` ignores the directory's draft vocabulary,
+    `context_window` overrides the checkpoint's (0: the whole context)."""
     path = Path(path)
     t = target.config
     model = read_block_drafter(path, t)
@@ -315,7 +354,7 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
         dtype = torch.float32
     model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
-    return BlockDrafter(model.prepare_inference(), target, temps, vocab)
+    return BlockDrafter(model.prepare_inference(), target, temps, vocab, context_window)
 
 
 VOCAB_FILE = "draft_vocab.json"
@@ -340,18 +379,30 @@ def _bench_spec(kind: str):
     return spec
 
 
-FULL_VOCAB = ":full-vocab"  # a spec suffix: ignore the directory's draft vocabulary
-
-
 def _load_spec(arg: str, target: Transformer) -> BlockDrafter:
-    full = arg.endswith(FULL_VOCAB)
-    return load_block_drafter(arg.removesuffix(FULL_VOCAB), target, draft_vocab=not full)
+    """DIR followed by options, each after a colon: `full-vocab` (ignore the directory's draft vocabulary) and
+    `window=N` (see only the latest N..2N context positions; 0: all of them)."""
+    path, full, window = arg, False, None
+    while True:
+        head, sep, option = path.rpartition(":")
+        if not sep or not (option == "full-vocab" or option.startswith("window=")):
+            break
+        if option == "full-vocab":
+            full = True
+        else:
+            value = option.removeprefix("window=")
+            if not value.isdigit():
+                raise ConfigError(f"block drafter option {option!r}: window=N needs a whole number N >= 0")
+            window = int(value)
+        path = head
+    return load_block_drafter(path, target, draft_vocab=not full, context_window=window)
 
 
 @register_drafter("block", bench_spec=_bench_spec("block"))
 def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
-    """`block:DIR[:full-vocab]`: a trained parallel (or DSpark) block drafter for this target; with `:full-vocab`
-    it drafts from every token even where DIR ships a draft vocabulary."""
+    """`block:DIR[:full-vocab][:window=N]`: a trained parallel (or DSpark) block drafter for this target; with
+    `:full-vocab` it drafts from every token even where DIR ships a draft vocabulary, `:window=N` overrides the
+    checkpoint's context window (0: the whole context)."""
     if arg is None:
         raise CheckpointError("the block drafter needs a checkpoint: block:DIR")
     return _load_spec(arg, target)
@@ -359,7 +410,7 @@ def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, de
 
 @register_drafter("dspark", bench_spec=_bench_spec("dspark"))
 def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
-    """`dspark:DIR[:full-vocab]`: a block drafter with DSpark's Markov head and confidence head."""
+    """`dspark:DIR[:full-vocab][:window=N]`: a block drafter with DSpark's Markov head and confidence head."""
     if arg is None:
         raise CheckpointError("the dspark drafter needs a checkpoint: dspark:DIR")
     drafter = _load_spec(arg, target)

@@ -42,6 +42,9 @@ class BlockConfig:
     markov_rank: int = 64
     confidence: bool = False
     mask_token_id: int = 3
+    # Proposals see the latest W..2W context positions (W = context_window; 0: every position). A drafter
+    # trained on W-token prompts and W-token continuations saw exactly that range, and attends worse over more.
+    context_window: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(x) for x in self.target_layers))
@@ -49,6 +52,8 @@ class BlockConfig:
             raise ConfigError(f"block head must be one of {HEADS}, got {self.head!r}")
         if self.block_size < 1 or self.num_layers < 1 or not self.target_layers:
             raise ConfigError("block_size, num_layers and target_layers must be positive / non-empty")
+        if self.context_window < 0:
+            raise ConfigError(f"context_window must be >= 0 (0: the whole context), got {self.context_window}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "target_layers": list(self.target_layers)}
@@ -205,10 +210,12 @@ class BlockDraftModel(nn.Module):
         cos, sin = self.rotary_emb(positions, feats.dtype)
         return [layer.kv(feats, cos, sin) for layer in self.layers]
 
-    def append_context(self, cache: KVCache, feats: torch.Tensor, start: int) -> None:
-        """Write context features [1, T, d] for positions start..start+T-1 into a per-sequence cache."""
-        if cache.length != start:
-            raise ValueError(f"context cache holds {cache.length} positions, new features start at {start}")
+    def append_context(self, cache: KVCache, feats: torch.Tensor, start: int, cache_start: int = 0) -> None:
+        """Write context features [1, T, d] for positions start..start+T-1 into a per-sequence cache whose first
+        entry is position cache_start (a sliding window's start)."""
+        if cache_start + cache.length != start:
+            raise ValueError(f"context cache holds positions {cache_start}..{cache_start + cache.length - 1}, "
+                             f"new features start at {start}")
         positions = torch.arange(start, start + feats.shape[1], device=feats.device)[None]
         for i, (k, v) in enumerate(self.context_kv(feats, positions)):
             cache.write(i, k, v)
@@ -225,10 +232,11 @@ class BlockDraftModel(nn.Module):
         ctx_mask: torch.Tensor | None = None,  # [B, 1, 1 or G, S] bool: which context positions each block sees
         new_ctx: torch.Tensor | None = None,  # [1, n, d] context features (context_features) of the n positions
         # before the anchor that the context cache lacks: written to it and committed in this forward
+        ctx_start: int = 0,  # the position of the context cache's first entry (a sliding window's start)
     ) -> torch.Tensor:  # [B, G, d] final-normed block states
         g = self.config.block_size
         n = 0 if new_ctx is None else new_ctx.shape[1]
-        if n and not (isinstance(ctx, KVCache) and ctx.length + n == int(anchor_pos[0])):
+        if n and not (isinstance(ctx, KVCache) and ctx_start + ctx.length + n == int(anchor_pos[0])):
             raise ValueError("new context rows must end at the anchor of one sequence's context cache")
         tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors

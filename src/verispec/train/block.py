@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +63,8 @@ class BlockTrainConfig:
         # The dspark loss trains a confidence head, so a parallel drafter trained with it gets one too.
         return BlockConfig(target_layers=self.target_layers, block_size=self.block_size, num_layers=self.num_layers,
                            head="markov" if self.kind == "dspark" else "none", markov_rank=self.markov_rank,
-                           confidence=self.kind == "dspark" or self.loss == "dspark", mask_token_id=mask_token_id)
+                           confidence=self.kind == "dspark" or self.loss == "dspark", mask_token_id=mask_token_id,
+                           context_window=self.prompt_len)  # anchors saw prompt_len .. seq_len context positions
 
 
 @dataclass
@@ -131,7 +132,8 @@ def warm_start(model: BlockDraftModel, drafter_dir: Path, target_cfg: ModelConfi
     from verispec.errors import CheckpointError
 
     source = read_block_drafter(drafter_dir, target_cfg)
-    if source.config != model.config:
+    # The context window is how inference uses the weights, not part of the architecture.
+    if replace(source.config, context_window=model.config.context_window) != model.config:
         raise CheckpointError(f"cannot warm-start from {drafter_dir}: its block config {source.config} differs from "
                               f"this run's {model.config}")
     model.load_state_dict(source.state_dict())
