@@ -98,7 +98,9 @@ def card(summary: dict, target: Path) -> str:
 
 A block drafter for `{_shown(target)}`: {c['num_layers']} decoder layers over the target's hidden states at layers
 {c['target_layers']}, block size {c['block_size']}, {head}; {summary['parameters'] / 1e6:.2f}M parameters of its
-own (the target's embedding and LM head are shared). Weights in bf16 safetensors.
+own (the target's embedding and LM head are shared). Weights in bf16 safetensors. Proposals see the
+latest {c['prompt_len']}..{2 * c['prompt_len']} context positions (`context_window`, as in training;
+`:window=N` changes it).
 
 ## Training
 The target's own greedy continuations of training-corpus prompts (PSF-licensed Python sources and docs),
