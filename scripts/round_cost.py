@@ -55,6 +55,7 @@ def main() -> None:
         drafter.start(0, ids)
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})
         ctx_cache = drafter._ctx[0]
+        seen, first = ctx_cache.length, drafter._ctx_start[0]  # the drafter's window of the context
         request = [DraftRequest(0, ids, g, SamplingParams(), None)]
         after = [DraftRequest(0, ids + ids[-5:], g, SamplingParams(), None)]  # the anchor five positions later
         anchor, anchor_pos = torch.tensor([ids[-1]]), torch.tensor([width])
@@ -66,13 +67,13 @@ def main() -> None:
         rows = {k: v[0, :5] for k, v in hidden.items()}  # an anchor and four accepted drafts
 
         def append():  # on its own, as observe and batched proposals do
-            drafter.observe(0, width, rows)
-            ctx_cache.truncate(width)
+            model.append_context(ctx_cache, model.context_features(rows)[None], first + seen, first)
+            ctx_cache.truncate(seen)
 
         def propose_after_accept():  # a round's drafter work: the accepted rows go through propose's forward
             drafter.accept(Verified(0, 4, [], rows))
             drafter.propose(after)
-            ctx_cache.truncate(width)
+            ctx_cache.truncate(seen)
 
         def step(tokens):
             target(tokens, cache=cache, hidden_layers=layers)
@@ -84,8 +85,8 @@ def main() -> None:
         head = median_ms(lambda: drafter._block_logits(h.to(target.dtype)), n)  # the draft vocabulary's rows
         parts = {"block forward": median_ms(block, n), "LM head": head}
         vocab = "all" if drafter.draft_vocab is None else drafter.draft_vocab.numel()
-        print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context, matmuls={target.matmuls}, "
-              f"draft vocabulary {vocab} tokens")
+        print(f"{args.drafter}, {args.dtype}, {args.threads} threads, {width}-token context ({seen} in the drafter's "
+              f"window), matmuls={target.matmuls}, draft vocabulary {vocab} tokens")
         print(f"  propose ({g} drafts)        {propose:7.2f} ms")
         for name, ms in parts.items():
             print(f"    {name:24s}{ms:7.2f} ms")
