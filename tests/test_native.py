@@ -247,3 +247,25 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     assert res.stdout.split() == ["False", "False"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert res.stderr.count("native matmul kernel unavailable") == 1 and "false failed" in res.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 5, 8, 13, 64, 8192])
+def test_argmax_follows_torchs_rule(dtype, cols):
+    """The greedy token of every row equals torch.argmax's: the first maximum (ties everywhere when values are
+    rounded), a NaN wins (the first one), an all -inf row gives 0; strided rows too."""
+    g = torch.Generator().manual_seed(cols)
+    for trial in range(40):
+        x = torch.randn(5, cols, generator=g).to(dtype)
+        if trial % 2:
+            x = x.round()  # many equal maxima
+        if trial % 5 == 1:
+            x[1, (trial * 7) % cols] = float("nan")
+            x[1, -1] = float("nan")
+        if trial % 5 == 2:
+            x[2] = float("-inf")
+        if trial % 5 == 3:
+            x[3, ::2] = float("inf")
+        for rows in (x, x[::2], x[:, : max(1, cols // 2)]):
+            assert torch.equal(native.argmax(rows), rows.argmax(dim=-1)), (trial, rows.shape)

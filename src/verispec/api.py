@@ -33,6 +33,7 @@ class LLM:
         *,
         k: int = 4,
         verify: str = "auto",
+        policy: str = SpecConfig.policy,
         dtype: str | torch.dtype = "fp32",
         device: str | torch.device = "cpu",
         tokenizer: Tokenizer | str | Path | None = None,
@@ -51,7 +52,7 @@ class LLM:
         if isinstance(drafter, str):
             drafter = build_drafter(drafter, target=self.target, dtype=self.target.dtype, device=self.target.device)
         self.drafter = drafter
-        self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify)
+        self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify, policy=policy)
         self.context_limit = context_limit
 
     def encode(self, prompt: Prompt) -> list[int]:

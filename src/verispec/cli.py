@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from verispec.config import SamplingParams
+from verispec.config import DECODE_POLICIES, SamplingParams, SpecConfig
 from verispec.errors import VerispecError
 
 
@@ -20,8 +20,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", default=None,
                    help="ngram | ngram:MAX_N | model:DIR | model (self-draft) | none (plain decoding); "
                         "default: the zoo's draft model, or ngram if the zoo has none")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (the most, with --policy dspark)")
     p.add_argument("--verify", default="auto", choices=["auto", "rejection", "sample-match"])
+    p.add_argument("--policy", default=SpecConfig.policy, choices=list(DECODE_POLICIES),
+                   help="fixed: verify every draft token; dspark: verify the prefix DSpark's rule picks from the "
+                        "drafter's confidences and the target's measured step time")
     p.add_argument("--temperature", type=float, default=SamplingParams.temperature)
     p.add_argument("--top-p", type=float, default=SamplingParams.top_p)
     p.add_argument("--top-k", type=int, default=SamplingParams.top_k)
@@ -58,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     drafter = args.drafter or default_drafter_spec() or "ngram"
     llm = LLM(args.target or default_target(), drafter=None if drafter == "none" else drafter, k=args.k,
-              verify=args.verify, dtype=args.dtype)
+              verify=args.verify, policy=args.policy, dtype=args.dtype)
     if args.compare and llm.drafter is None:
         raise VerispecError("--compare needs a drafter (it compares speculative with plain decoding)")
     if args.compare:
@@ -110,6 +113,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=None,
                    help="comma-separated drafter specs (default: every registered drafter on the zoo)")
     p.add_argument("--k", default=None, help="comma-separated draft lengths (default 2,4,8; quick: 4)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated draft-length policies, each run with every method and k (fixed, dspark; "
+                        "default fixed)")
     p.add_argument("--prompts", type=Path, action="append", default=[],
                    help="extra prompt file (JSONL of {'prompt'} or Spec-Bench question.jsonl), repeatable")
     p.add_argument("--tasks", default=None, help="comma-separated subset of the shipped task sets")
@@ -151,6 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     overrides = {
         "ks": tuple(int(k) for k in args.k.split(",")) if args.k else None,
         "methods": tuple(args.methods.split(",")) if args.methods else None,
+        "policies": tuple(args.policies.split(",")) if args.policies else None,
         "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
         "prompt_files": tuple(args.prompts) or None,
         "prompts_per_task": args.prompts_per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,

@@ -178,21 +178,27 @@ class SamplingParams:
 
 
 VERIFY_RULES = ("auto", "rejection", "sample-match")
+DECODE_POLICIES = ("fixed", "dspark")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation settings for one generation. k is the draft length per round (0 disables drafting)."""
+    """Speculation settings for one generation. k is the most a round drafts (0 disables drafting)."""
 
     k: int = 4
     # auto: greedy match at temperature 0, rejection sampling otherwise (exact for point-mass drafts too).
     verify: str = "auto"
+    # fixed: verify every drafted token. dspark: verify the prefix DSpark's Algorithm 1 picks from the drafter's
+    # confidences (or past acceptance) against the target's measured step time (engine.policies).
+    policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"k must be >= 0, got {self.k}")
         if self.verify not in VERIFY_RULES:
             raise ConfigError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
+        if self.policy not in DECODE_POLICIES:
+            raise ConfigError(f"policy must be one of {DECODE_POLICIES}, got {self.policy!r}")
 
 
 POLICIES = ("off", "fixed", "batch-table", "dspark")

@@ -15,12 +15,12 @@ import torch
 
 from verispec.cache import KVCache
 from verispec.config import SamplingParams, SpecConfig
-from verispec.drafters.base import EMPTY_DRAFT, Drafter, DraftRequest, Verified
+from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified
 from verispec.errors import ConfigError
 from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
-from verispec.sampling import make_generator, probs_for, sample
+from verispec.sampling import greedy, make_generator, probs_for, sample
 from verispec.stopping import StopChecker
 from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
 
@@ -77,7 +77,7 @@ def _verify(
 ) -> VerifyOutput:
     # logits [k+1, V] for the anchor and each draft token
     if not draft_tokens:  # plain step: the same draw the verifiers make for k = 0, without their bookkeeping
-        token = logits[0].argmax() if params.greedy else sample(probs_for(logits[0], params), generator)
+        token = greedy(logits[0]) if params.greedy else sample(probs_for(logits[0], params), generator)
         return VerifyOutput(token.view(1, 1), torch.zeros(1, dtype=torch.long))
     tokens = torch.tensor(draft_tokens, dtype=torch.long, device=logits.device)
     num_draft = torch.tensor([len(draft_tokens)], device=logits.device)
@@ -87,6 +87,40 @@ def _verify(
     if spec.verify == "sample-match":
         return sample_match_verify(tokens, num_draft, p, [generator])
     return rejection_verify(tokens, num_draft, p, draft_probs, [generator])
+
+
+class _LengthPolicy:
+    """SpecConfig.policy == "dspark" for one sequence: DSpark's Algorithm 1 with one request. Each round verifies
+    the draft prefix that maximises expected tokens per second, tau(n) / (draft_s + step_time(n + 1)), admitting
+    position j only while it still raises that ratio: the cut at j depends on c_1..c_j alone (each c_j on the
+    tokens before x_j), never on x_j, so sampling stays lossless. c_j is the drafter's confidence where it gives
+    one, else this sequence's past acceptance at position j."""
+
+    def __init__(self, target: Transformer, k: int, profile=None) -> None:
+        from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, survival
+        from verispec.engine.profile import load_or_measure
+
+        self._lengths, self._survival = dspark_lengths, survival
+        self.profile = profile or load_or_measure(target)
+        self.estimator = AcceptanceEstimator(k)
+        self.propose_s, self.proposals = 0.0, 0  # the drafter's cost per round, as measured so far
+
+    def cut(self, draft: Draft) -> Draft:
+        if not draft.tokens:
+            return draft
+        k = len(draft.tokens)
+        conditional = (draft.confidence.float().tolist()[:k] if draft.confidence is not None
+                       else self.estimator.conditional("", "", k))
+        fixed_s = self.propose_s / self.proposals if self.proposals else 0.0
+        n = self._lengths([self._survival(conditional)], 1, 1.0, lambda b: fixed_s + self.profile.step_time(b))[0]
+        return draft.truncated(n)
+
+    def record(self, propose_s: float, num_draft: int, num_accepted: int) -> None:
+        if propose_s > 0:  # the drafter ran this round (budget > 0)
+            self.propose_s += propose_s
+            self.proposals += 1
+        if num_draft:
+            self.estimator.update("", "", num_draft, num_accepted)
 
 
 @torch.inference_mode()
@@ -100,8 +134,10 @@ def decode_stream(
     eos_token_ids: tuple[int, ...] | None = None,
     context_limit: int | None = None,
     seq_id: int = 0,
+    profile=None,
 ) -> Iterator[StreamEvent]:
-    """Generate for one sequence, yielding each round's committed tokens; the last event carries the result."""
+    """Generate for one sequence, yielding each round's committed tokens; the last event carries the result.
+    profile: the target's StepProfile for `spec.policy == "dspark"` (default: measured once and cached)."""
     start = time.perf_counter()
     limit = min(context_limit or target.config.context_limit, target.config.context_limit)
     validate_prompt(prompt_ids, target.config.vocab_size, limit)
@@ -110,6 +146,7 @@ def decode_stream(
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
     generator = None if params.greedy else make_generator(params.seed, target.device)
     stats = SpecStats()
+    policy = _LengthPolicy(target, spec.k, profile) if drafter is not None and spec.policy == "dspark" else None
     # Room for the prompt, every output token and one round's draft: no need to zero the whole context.
     cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1))
     hidden_layers = drafter.needs_hidden_layers if drafter else ()
@@ -132,12 +169,15 @@ def decode_stream(
             n = len(tokens)
             # Never draft past max_tokens or the context: the bonus token needs room too.
             budget = min(spec.k, params.max_tokens - len(stopper.output) - 1, limit - n - 1)
-            draft = EMPTY_DRAFT
+            draft, propose_s = EMPTY_DRAFT, 0.0
             if drafter is not None and budget > 0:
                 t0 = time.perf_counter()
                 draft = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
-                stats.draft_s += time.perf_counter() - t0
+                propose_s = time.perf_counter() - t0
+                stats.draft_s += propose_s
                 _check_draft(draft, budget, target.config.vocab_size, drafter)
+                if policy is not None:
+                    draft = policy.cut(draft)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
             logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
             out = _verify(logits[0], draft.tokens, draft.probs, params, spec, generator)
@@ -146,6 +186,8 @@ def decode_stream(
             emitted = stopper.extend(out.rows()[0])
             tokens.extend(emitted.token_ids)
             stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids))
+            if policy is not None:
+                policy.record(propose_s, len(draft.tokens), num_accepted)
             if stats.num_rounds == 1:
                 stats.ttft_s = time.perf_counter() - start
             if drafter is not None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.sampling import greedy
+
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -101,7 +103,7 @@ def greedy_verify(
     target_logits: torch.Tensor,  # [N + B, V]
 ) -> VerifyOutput:
     if num_draft.numel() == 1:  # one request (a reference-loop round): the same rule, no ragged layout to build
-        best = target_logits.argmax(dim=-1)  # [k+1]
+        best = greedy(target_logits)  # [k+1]
         k = draft_tokens.numel()
         a = int(_leading_true((draft_tokens.long() == best[:k])[None]))
         tokens = torch.full((1, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=best.device)
@@ -109,7 +111,7 @@ def greedy_verify(
         tokens[0, a] = best[a]
         return VerifyOutput(tokens, torch.tensor([a], device=best.device))
     layout = _Layout.build(num_draft, target_logits.shape[0])
-    target_argmax = target_logits.argmax(dim=-1)[layout.target_index]  # [B, K+1]
+    target_argmax = greedy(target_logits)[layout.target_index]  # [B, K+1]
     drafts = _padded_drafts(draft_tokens, layout)
     num_accepted = _leading_true((drafts == target_argmax[:, :-1]) & layout.draft_valid)
     final = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)

@@ -38,6 +38,7 @@ class BenchConfig:
     tasks: tuple[str, ...] = TASKS
     prompt_files: tuple[Path, ...] = ()
     methods: tuple[str, ...] = ()  # drafter specs; default: every registered drafter's bench spec
+    policies: tuple[str, ...] = ("fixed",)  # SpecConfig.policy values, each run with every method and k
     baselines: bool = True
     baseline_prompts: int = 4
 
@@ -120,11 +121,16 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     room = target.config.context_limit - cfg.max_tokens - 1
     sets = {task: [tok.encode(p)[-room:] for p in prompts] for task, prompts in _task_prompts(cfg).items()}
-    methods = [(s, k) for s in specs for k in cfg.ks]
-    cells = {(task, s, k): Cell() for task in sets for s, k in methods}
+    methods = [(s, k, pol) for s in specs for k in cfg.ks for pol in cfg.policies]
+    cells = {(task, *m): Cell() for task in sets for m in methods}
     total_runs = cfg.repeats * sum(len(p) for p in sets.values()) * (1 + len(methods))
     bar = tqdm(total=total_runs, disable=not progress, desc="bench", unit="gen")
     decode(target, sets[next(iter(sets))][0], replace(params, max_tokens=8))  # warm-up
+    profile = None
+    if "dspark" in cfg.policies:  # measured (or read from the cache) before any timing
+        from verispec.engine.profile import load_or_measure
+
+        profile = load_or_measure(target)
     for rep in range(cfg.repeats):
         for task, prompts in sets.items():
             plain_total, method_total = 0.0, {m: 0.0 for m in methods}
@@ -135,14 +141,15 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
                 plain_total += time.perf_counter() - t0
                 plain_decode += plain.stats.decode_s
                 bar.update(1)
-                for s, k in methods:
+                for s, k, pol in methods:
                     t0 = time.perf_counter()
-                    res: GenerationResult = decode(target, prompt, params, drafter=drafters[s], spec=SpecConfig(k=k))
-                    method_total[(s, k)] += time.perf_counter() - t0
-                    method_decode[(s, k)] += res.stats.decode_s
+                    res: GenerationResult = decode(target, prompt, params, drafter=drafters[s],
+                                                   spec=SpecConfig(k=k, policy=pol), profile=profile)
+                    method_total[(s, k, pol)] += time.perf_counter() - t0
+                    method_decode[(s, k, pol)] += res.stats.decode_s
                     bar.update(1)
                     if rep == 0:
-                        cell = cells[(task, s, k)]
+                        cell = cells[(task, s, k, pol)]
                         cell.tokens += len(res.token_ids)
                         _merge(cell.stats, res.stats)
                         if res.token_ids == plain.token_ids:
@@ -159,14 +166,15 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
 
     labels = method_labels(specs)
     records = []
-    for (task, s, k), cell in cells.items():
+    for (task, s, k, pol), cell in cells.items():
         gaps = []
         for prompt, a, b in cell.diverged:
             i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
             gaps.append(_top2_gap(target, prompt + a[:i]))
         plain_tps = cell.tokens / statistics.median(cell.plain_times) if cell.plain_times else 0.0
         records.append({
-            "task": task, "method": labels[s], "spec": s, "k": k,
+            "task": task, "method": labels[s] if pol == "fixed" else f"{labels[s]} +{pol} policy", "spec": s,
+            "k": k, "policy": pol,
             "tau": cell.stats.tau, "acceptance_rate": cell.stats.acceptance_rate,
             "accepted_per_pos": conditional_acceptance(cell.stats),
             "tokens_per_s": cell.tokens / statistics.median(cell.times),

@@ -38,6 +38,13 @@ class Draft:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(f"draft has {len(self.tokens)} tokens but {self.probs.shape[0]} probability rows")
 
+    def truncated(self, n: int) -> Draft:
+        """The first n tokens, with their q rows and confidences."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     None if self.confidence is None else self.confidence[:n])
+
 
 EMPTY_DRAFT = Draft(tokens=[])
 

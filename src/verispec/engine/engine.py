@@ -343,9 +343,7 @@ class Engine:
         )
         for rnd, n in zip(sched, lengths):
             rnd.req.last_verified = n
-            d = rnd.draft
-            rnd.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n],
-                              None if d.confidence is None else d.confidence[:n])
+            rnd.draft = rnd.draft.truncated(n)
 
     def _verify(self, rounds: list[_Round], logits: torch.Tensor) -> list[list[int]]:
         """Committed tokens per round: greedy requests in one batched call, sampled ones with their own RNG."""

@@ -8,6 +8,7 @@ attention call and cache write per layer) from R requests of one token each agai
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -32,8 +33,9 @@ class StepProfile:
     context: int  # committed tokens in each request's cache while measuring
 
     def step_time(self, tokens: int, requests: int = 1) -> float:
-        """Linear interpolation between measured points, linear extrapolation past the last two."""
-        xs, ys = self.tokens, self.seconds
+        """Linear interpolation between measured points, linear extrapolation past the last two. The points are
+        made non-decreasing first: more tokens never cost less, a measured dip is the machine's noise."""
+        xs, ys = self.tokens, list(itertools.accumulate(self.seconds, max))
         if tokens <= xs[0]:
             t = ys[0]
         else:

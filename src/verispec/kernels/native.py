@@ -1,6 +1,7 @@
 """verispec's own CPU kernels, compiled on first use and called through ctypes: the matmul of inference
 (`gemm.c`), attention of a few queries over a KV cache (`attention.c`), the greedy DSpark head loop
-(`markov.c`) and a block drafter's layer in one call (`blocklayer.c`, built on the first two). The matmul and
+(`markov.c`), a block drafter's layer in one call (`blocklayer.c`, built on the first two) and the greedy argmax
+of logits (`argmax.c`). The matmul and
 attention compute a row (a token, a query) in one fixed order whatever else is in the call, so a verify step over
 9 tokens gives each token what a one-token step gives it.
 
@@ -28,7 +29,8 @@ import torch
 
 from verispec.paths import user_cache
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "argmax.c"))
 COLS = 8  # columns per packed block (one AVX2 vector of fp32)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 
@@ -82,6 +84,9 @@ def _load() -> ctypes.CDLL | None:
     g = lib.vs_markov_greedy
     g.restype = ctypes.c_int
     g.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]
+    m = lib.vs_argmax
+    m.restype = cint
+    m.argtypes = [ptr, cint, i64, i64, i64, ptr]
     b = lib.vs_block_layer
     b.restype = ctypes.c_int
     b.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, cint, ptr, cint, ptr, cint,
@@ -148,6 +153,16 @@ def linear(
     if rc != 0:
         raise MemoryError("native matmul: out of memory")
     return y
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] fp32 or bf16, CPU, last dim contiguous -> [R] int64
+    """torch.argmax(x, dim=-1) by the same rule (first maximum; a NaN wins), vectorised (see argmax.c)."""
+    lib = _required()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.vs_argmax(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def markov_greedy(

@@ -1,0 +1,161 @@
+"""SpecConfig.policy = "dspark" in the single-sequence loop: each round verifies the draft prefix DSpark's
+Algorithm 1 picks. Exact whatever it cuts (greedy equality, the sampling statistics), and the cut it makes is
+the one the rule defines, from the drafter's confidences or from past acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from test_block_drafter import make_block
+from test_exactness import S_N, S_PARAMS, S_PROMPT, SV, exact_pair_joints, failures
+
+from verispec.config import SamplingParams, SpecConfig
+from verispec.decode import _LengthPolicy, decode
+from verispec.drafters import Draft, ModelDrafter, NgramDrafter
+from verispec.drafters.block import BlockDrafter
+from verispec.engine.profile import StepProfile
+from verispec.errors import ConfigError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28]]
+GREEDY = SamplingParams(max_tokens=36, ignore_eos=True)
+
+
+def linear_profile(per_token: float, tokens: int = 16) -> StepProfile:
+    """A step of B tokens costs 1 + per_token * B seconds: the dearer a token, the shorter the verified draft."""
+    bs = tuple(range(1, tokens + 1))
+    return StepProfile({}, bs, tuple(1.0 + per_token * b for b in bs), 0.0, 0)
+
+
+@pytest.fixture
+def cuts(monkeypatch):
+    """Counts the rounds the policy shortened and the rounds it verified whole."""
+    counts = {"cut": 0, "whole": 0}
+    original = _LengthPolicy.cut
+
+    def counting(self, draft):
+        out = original(self, draft)
+        counts["cut" if len(out.tokens) < len(draft.tokens) else "whole"] += 1
+        return out
+
+    monkeypatch.setattr(_LengthPolicy, "cut", counting)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, 0.2)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return [decode(target, p, GREEDY).token_ids for p in PROMPTS]
+
+
+def make_drafter(kind: str, target):
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "self":  # accepted nearly always: the rule must still cut where tokens are dear
+        return ModelDrafter(target)
+    if kind == "random":
+        return ModelDrafter(tiny_model(123, 0.5))
+    if kind == "dspark":  # with a confidence head: the cut follows its per-position estimates
+        return BlockDrafter(make_block(target, head="markov", confidence=True, block_size=8), target)
+    if kind == "parallel":  # no confidence: the cut follows past acceptance
+        return BlockDrafter(make_block(target, block_size=8), target)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("per_token", [0.05, 0.3])
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("kind", ["ngram", "self", "random", "dspark", "parallel"])
+def test_greedy_equals_plain_with_the_dspark_policy(kind, k, per_token, target, plain, cuts):
+    """A1: whatever prefix the policy verifies, fp32 greedy output equals plain decoding token for token."""
+    for prompt, ref in zip(PROMPTS, plain):
+        res = decode(target, prompt, GREEDY, drafter=make_drafter(kind, target),
+                     spec=SpecConfig(k=k, policy="dspark"), profile=linear_profile(per_token))
+        assert res.token_ids == ref
+        assert res.stats.num_output_tokens == GREEDY.max_tokens
+    assert cuts["whole"] + cuts["cut"] > 0
+    if per_token == 0.3 and kind != "self":
+        assert cuts["cut"] > 0  # the equality above covers rounds the rule shortened
+
+
+def test_cut_follows_the_rule():
+    """Unit: with confidences 0.9, 0.9, 0.2, ... and a token costing a tenth of a step, positions are admitted
+    while tau(n) / step(n + 1) still grows; the third (survival 0.16) does not pay for its row."""
+    policy = _LengthPolicy(None, 8, linear_profile(0.1))
+    draft = Draft([1, 2, 3, 4], None, torch.tensor([0.9, 0.9, 0.2, 0.9]))
+    # tau/step: n=0 1/1.1=0.909, n=1 1.9/1.2=1.583, n=2 2.71/1.3=2.085, n=3 2.872/1.4=2.051 -> stop at 2
+    assert policy.cut(draft).tokens == [1, 2]
+    assert policy.cut(draft).confidence.tolist() == pytest.approx([0.9, 0.9])
+    cheap = _LengthPolicy(None, 8, linear_profile(0.001))
+    assert cheap.cut(draft).tokens == [1, 2, 3, 4]
+
+
+def test_cut_counts_the_drafters_cost():
+    """The drafter's measured time per round is part of the step: a costly drafter makes each verified token
+    relatively cheaper, so the same confidences keep a longer prefix."""
+    draft = Draft([1, 2, 3], None, torch.tensor([0.5, 0.5, 0.5]))
+    policy = _LengthPolicy(None, 8, linear_profile(1.0))
+    assert policy.cut(draft).tokens == []  # n = 0: 1 / 2 = 0.5; n = 1: 1.5 / 3 = 0.5, no gain
+    policy.record(20.0, 0, 0)  # a 20 s drafter: 1 / 22, 1.5 / 23, 1.75 / 24, 1.875 / 25 keep growing
+    assert policy.cut(draft).tokens == [1, 2, 3]
+
+
+def test_without_confidence_past_acceptance_decides():
+    """A drafter without confidences: every rejection at position 1 drives the estimate down until the rule
+    verifies nothing; full acceptances bring it back."""
+    policy = _LengthPolicy(None, 4, linear_profile(0.3))
+    draft = Draft([1, 2, 3, 4])
+    assert policy.cut(draft).tokens == [1]  # prior 0.5: 1 / 1.3 < 1.5 / 1.6 > 1.75 / 1.9
+    for _ in range(20):
+        policy.record(0.0, 4, 0)
+    assert policy.cut(draft).tokens == []
+    for _ in range(40):
+        policy.record(0.0, 4, 4)
+    assert policy.cut(draft).tokens == [1, 2, 3, 4]
+
+
+def test_policy_option_is_checked():
+    with pytest.raises(ConfigError, match="policy"):
+        SpecConfig(policy="greedy")
+
+
+@pytest.fixture(scope="module")
+def stat_target():
+    return tiny_model(0, 0.25, vocab_size=SV, max_position_embeddings=16, num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("kind", ["dspark-confidence", "model-acceptance"])
+def test_sampling_with_the_dspark_policy_follows_the_target(kind, stat_target, cuts):
+    """A5: seeded runs at temperature 1 with drafts cut by the rule (from confidences that depend on the tokens
+    before each position, or from past acceptance): (x1, x2) and (x2, x3) follow the target's exact joints."""
+    n = S_N
+    if kind == "dspark-confidence":
+        model = make_block(stat_target, head="markov", confidence=True, block_size=2, std=0.5)
+        with torch.no_grad():  # confidences near 1/2 (random weights saturate them), so the cut is often at 1
+            model.confidence_head.weight.mul_(0.1)
+            model.confidence_head.bias.zero_()
+        drafter = BlockDrafter(model, stat_target)
+        make = lambda: drafter  # noqa: E731 - one drafter, sequences start and finish in turn
+    else:
+        draft_model = tiny_model(1, 0.25, vocab_size=SV, max_position_embeddings=16, num_hidden_layers=1)
+        make = lambda: ModelDrafter(draft_model)  # noqa: E731
+    profile = linear_profile(1.0)  # position 1 pays for itself only above survival 1/2: both sides happen
+    samples = np.empty((n, 3), dtype=np.int64)
+    for i in range(n):
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=i)
+        res = decode(stat_target, S_PROMPT, params, drafter=make(), spec=SpecConfig(k=2, policy="dspark"),
+                     profile=profile)
+        samples[i] = res.token_ids
+    assert cuts["cut"] > n // 10 and cuts["whole"] > n // 10  # both sides of the rule, often
+    assert failures(samples, exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)) == []
+
+
+def test_step_profile_never_gets_cheaper_with_more_tokens():
+    """A measured dip (the machine's noise) is flattened: the rule would otherwise favour a noisy row count."""
+    prof = StepProfile({}, (1, 2, 4, 8), (1.0, 1.4, 1.2, 2.0), 0.0, 0)
+    assert prof.step_time(4) == pytest.approx(1.4) and prof.step_time(3) == pytest.approx(1.4)
+    assert prof.step_time(6) == pytest.approx(1.7)
