@@ -100,22 +100,29 @@ def test_cut_counts_the_drafters_cost():
     draft = Draft([1, 2, 3], None, torch.tensor([0.5, 0.5, 0.5]))
     policy = _LengthPolicy(None, 8, linear_profile(1.0))
     assert policy.cut(draft).tokens == []  # n = 0: 1 / 2 = 0.5; n = 1: 1.5 / 3 = 0.5, no gain
-    policy.record(20.0, 0, 0)  # a 20 s drafter: 1 / 22, 1.5 / 23, 1.75 / 24, 1.875 / 25 keep growing
+    policy.record(20.0, 0, [], [])  # a 20 s drafter: 1 / 22, 1.5 / 23, 1.75 / 24, 1.875 / 25 keep growing
     assert policy.cut(draft).tokens == [1, 2, 3]
 
 
 def test_without_confidence_past_acceptance_decides():
-    """A drafter without confidences: every rejection at position 1 drives the estimate down until the rule
-    verifies nothing; full acceptances bring it back."""
+    """A drafter without confidences: every proposal the target's continuation contradicts at position 1 drives
+    the estimate down until the rule verifies nothing; proposals it would have accepted, scored against the
+    committed tokens although nothing was verified, bring it back."""
     policy = _LengthPolicy(None, 4, linear_profile(0.3))
     draft = Draft([1, 2, 3, 4])
     assert policy.cut(draft).tokens == [1]  # prior 0.5: 1 / 1.3 < 1.5 / 1.6 > 1.75 / 1.9
-    for _ in range(20):
-        policy.record(0.0, 4, 0)
+    tokens = [7]
+    for _ in range(20):  # the target continues with 9s: position 1 always wrong
+        policy.record(0.0, len(tokens), [1, 2, 3, 4], tokens)
+        tokens += [9]
     assert policy.cut(draft).tokens == []
-    for _ in range(40):
-        policy.record(0.0, 4, 4)
+    for _ in range(40):  # cut to nothing, the proposals still match what the target went on to commit
+        start = len(tokens)
+        tokens += [1, 2, 3, 4]
+        policy.record(0.0, start, [1, 2, 3, 4], tokens)
     assert policy.cut(draft).tokens == [1, 2, 3, 4]
+    policy.record(0.0, len(tokens), [1, 2], tokens)  # not covered yet: waits for the tokens
+    assert len(policy.shadow) == 1
 
 
 def test_policy_option_is_checked():

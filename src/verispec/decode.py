@@ -8,6 +8,7 @@ num_accepted + 1 tokens. Plain decoding is the same loop with k = 0, so both sha
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -94,15 +95,16 @@ class _LengthPolicy:
     the draft prefix that maximises expected tokens per second, tau(n) / (draft_s + step_time(n + 1)), admitting
     position j only while it still raises that ratio: the cut at j depends on c_1..c_j alone (each c_j on the
     tokens before x_j), never on x_j, so sampling stays lossless. c_j is the drafter's confidence where it gives
-    one, else this sequence's past acceptance at position j."""
+    one, else this sequence's past acceptance at position j, learnt from whole proposals (engine.policies)."""
 
     def __init__(self, target: Transformer, k: int, profile=None) -> None:
-        from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, survival
+        from verispec.engine import policies
         from verispec.engine.profile import load_or_measure
 
-        self._lengths, self._survival = dspark_lengths, survival
+        self._rules = policies
         self.profile = profile or load_or_measure(target)
-        self.estimator = AcceptanceEstimator(k)
+        self.estimator = policies.AcceptanceEstimator(k)
+        self.shadow: deque[tuple[int, list[int]]] = deque()  # proposals not yet covered by committed tokens
         self.propose_s, self.proposals = 0.0, 0  # the drafter's cost per round, as measured so far
 
     def cut(self, draft: Draft) -> Draft:
@@ -112,15 +114,19 @@ class _LengthPolicy:
         conditional = (draft.confidence.float().tolist()[:k] if draft.confidence is not None
                        else self.estimator.conditional("", "", k))
         fixed_s = self.propose_s / self.proposals if self.proposals else 0.0
-        n = self._lengths([self._survival(conditional)], 1, 1.0, lambda b: fixed_s + self.profile.step_time(b))[0]
+        n = self._rules.dspark_lengths([self._rules.survival(conditional)], 1, 1.0,
+                                       lambda b: fixed_s + self.profile.step_time(b))[0]
         return draft.truncated(n)
 
-    def record(self, propose_s: float, num_draft: int, num_accepted: int) -> None:
+    def record(self, propose_s: float, start: int, proposed: list[int], tokens: list[int]) -> None:
+        """After a round: the drafter's time, and its whole proposal (from index `start` of `tokens`), scored
+        against the committed tokens as soon as they cover it."""
         if propose_s > 0:  # the drafter ran this round (budget > 0)
             self.propose_s += propose_s
             self.proposals += 1
-        if num_draft:
-            self.estimator.update("", "", num_draft, num_accepted)
+        if proposed:
+            self.shadow.append((start, proposed))
+        self._rules.learn_from_proposals(self.estimator, "", "", self.shadow, tokens)
 
 
 @torch.inference_mode()
@@ -169,10 +175,10 @@ def decode_stream(
             n = len(tokens)
             # Never draft past max_tokens or the context: the bonus token needs room too.
             budget = min(spec.k, params.max_tokens - len(stopper.output) - 1, limit - n - 1)
-            draft, propose_s = EMPTY_DRAFT, 0.0
+            draft, proposed, propose_s = EMPTY_DRAFT, EMPTY_DRAFT, 0.0
             if drafter is not None and budget > 0:
                 t0 = time.perf_counter()
-                draft = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
+                draft = proposed = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
                 propose_s = time.perf_counter() - t0
                 stats.draft_s += propose_s
                 _check_draft(draft, budget, target.config.vocab_size, drafter)
@@ -187,7 +193,7 @@ def decode_stream(
             tokens.extend(emitted.token_ids)
             stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids))
             if policy is not None:
-                policy.record(propose_s, len(draft.tokens), num_accepted)
+                policy.record(propose_s, n, proposed.tokens, tokens)
             if stats.num_rounds == 1:
                 stats.ttft_s = time.perf_counter() - start
             if drafter is not None:

@@ -25,7 +25,7 @@ from verispec.cache import KVCache, PackedBatch
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
 from verispec.decode import GenerationResult, _check_draft, _verify, validate_prompt
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter
-from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, survival
+from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, learn_from_proposals, survival
 from verispec.engine.profile import StepProfile
 from verispec.engine.request import Request, RequestOutput
 from verispec.errors import ConfigError, QueueFull
@@ -398,18 +398,7 @@ class Engine:
                                         emitted.text))
 
     def _learn_acceptance(self, req: Request) -> None:
-        """Score each whole proposal, cut or not, once the target's own continuation covers it: position j counts
-        as accepted while the draft matches what the target committed. That is greedy verification's verdict
-        exactly (and sample-match's), so positions the policy did not verify still teach the estimator; without
-        that, an estimate that once fell below the cost of verifying could never recover."""
-        while req.shadow:
-            start, proposed = req.shadow[0]
-            actual = req.tokens[start : start + len(proposed)]
-            if len(actual) < len(proposed):
-                return
-            req.shadow.popleft()
-            matched = next((j for j, (x, y) in enumerate(zip(proposed, actual)) if x != y), len(proposed))
-            self.estimator.update(req.drafter or "", req.request_id, len(proposed), matched)
+        learn_from_proposals(self.estimator, req.drafter or "", req.request_id, req.shadow, req.tokens)
 
     # ---- introspection -------------------------------------------------------------------------------------
     def check_invariants(self) -> None:

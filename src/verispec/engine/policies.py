@@ -13,6 +13,7 @@ head (if it has one) estimates acceptance before x_j is drawn, and the online es
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -89,3 +90,22 @@ class AcceptanceEstimator:
 
     def forget(self, request_id: str) -> None:
         self._local.pop(request_id, None)
+
+
+def learn_from_proposals(
+    estimator: AcceptanceEstimator, drafter: str, request_id: str,
+    shadow: deque[tuple[int, list[int]]],  # (index in tokens where the proposal starts, the whole proposal)
+    tokens: list[int],  # the request's committed tokens
+) -> None:
+    """Score each whole proposal, cut or not, once the target's own continuation covers it: position j counts as
+    accepted while the draft matches what the target committed. That is greedy verification's verdict exactly
+    (and sample-match's), so positions a policy did not verify still teach the estimator; without that, an
+    estimate that once fell below the cost of verifying could never recover."""
+    while shadow:
+        start, proposed = shadow[0]
+        actual = tokens[start : start + len(proposed)]
+        if len(actual) < len(proposed):
+            return
+        shadow.popleft()
+        matched = next((j for j, (x, y) in enumerate(zip(proposed, actual)) if x != y), len(proposed))
+        estimator.update(drafter, request_id, len(proposed), matched)
