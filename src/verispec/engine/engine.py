@@ -81,6 +81,7 @@ class Engine:
         self._drafters: dict[str, Drafter] = dict(drafters or {})
         self._profile = profile
         self.estimator = AcceptanceEstimator(max_k=max(config.k, 16))
+        self._draft_s = 0.0  # moving average of a drafting step's time (seconds)
         self.metrics = EngineMetrics()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -267,7 +268,11 @@ class Engine:
             elif chunk_left > 0:
                 prefill.append((req, chunk_left))
                 chunk_left = 0
+        t0 = time.perf_counter()
         rounds = self._draft(decoding)
+        elapsed = time.perf_counter() - t0
+        if any(r.draft.tokens for r in rounds):  # the drafters' cost per drafting step, for the dspark rule
+            self._draft_s = elapsed if not self._draft_s else 0.8 * self._draft_s + 0.2 * elapsed
         self._schedule(rounds, prefill_tokens=sum(n for _, n in prefill))
 
         # One packed forward: [prefill chunks] then per decoding request [pending..., draft...].
@@ -336,10 +341,11 @@ class Engine:
         base_tokens = prefill_tokens + sum(len(r.draft.tokens) + 1 for r in fixed) + len(sched)
         base_tau = sum(1 + sum(survival(self._conditional(r))) for r in fixed) + len(sched)
         requests = len(rounds) + (1 if prefill_tokens else 0)
-        prof = self.profile
+        prof, draft_s = self.profile, self._draft_s
+        # A step's time is the drafting it already spent plus the target's forward: what the tokens it commits cost.
         lengths = dspark_lengths(
             [survival(self._conditional(r)) for r in sched], base_tokens, base_tau,
-            lambda b: prof.step_time(b, requests),
+            lambda b: draft_s + prof.step_time(b, requests),
         )
         for rnd, n in zip(sched, lengths):
             rnd.req.last_verified = n
