@@ -65,6 +65,7 @@ def profile_key(target: Transformer) -> dict:
         "device": str(target.device),
         "packed": target.packed,
         "matmuls": target.matmuls,
+        "method": 2,  # how measure() times the points: interleaved rounds (older profiles are measured again)
     }
 
 
@@ -77,29 +78,29 @@ def cache_path(key: dict) -> Path:
     return cache_dir() / f"{name}.json"
 
 
-def _time_step(target: Transformer, caches: list[KVCache], lengths: list[int], context: int, repeats: int) -> float:
+def _time_step(target: Transformer, caches: list[KVCache], lengths: list[int], context: int) -> float:
+    """One step's seconds: the given requests (caches at `context` positions) verifying `lengths` tokens each."""
     device = target.device
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, target.config.vocab_size, (sum(lengths),), generator=gen).to(device)
     logit_rows = torch.arange(sum(lengths), device=device)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        for c in caches:
-            c.truncate(context)
-        batch = PackedBatch.build(caches, lengths, device)
-        t0 = time.perf_counter()
-        target.forward_packed(tokens, batch, logit_rows)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    for c in caches:
+        c.truncate(context)
+    batch = PackedBatch.build(caches, lengths, device)
+    t0 = time.perf_counter()
+    target.forward_packed(tokens, batch, logit_rows)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()
 def measure(
-    target: Transformer, token_counts: tuple[int, ...] = DEFAULT_TOKENS, context: int = 128, repeats: int = 5,
+    target: Transformer, token_counts: tuple[int, ...] = DEFAULT_TOKENS, context: int = 128, repeats: int = 15,
     progress: bool = False,
 ) -> StepProfile:
+    """Medians of `repeats` rounds, each timing every point once in turn: on a shared, noisy machine a slow moment
+    then spreads over all points instead of bending the curve at a few (the dspark rule reads its slope)."""
     limit = target.config.context_limit
     token_counts = tuple(b for b in token_counts if b <= limit // 2) or (1,)
     max_b = max(*token_counts, 8)  # 8: the per-request probe below
@@ -109,13 +110,19 @@ def measure(
     prompt = torch.randint(0, target.config.vocab_size, (1, context), generator=gen).to(target.device)
     for c in caches:
         target(prompt, cache=c, num_logits=0)
-    seconds = []
-    for b in token_counts:
-        seconds.append(_time_step(target, caches[:1], [b], context, repeats))
-        if progress:
-            print(f"  B={b:4d}  {seconds[-1] * 1e3:8.2f} ms/step")
-    many = _time_step(target, caches, [1] * 8, context, repeats)
-    one = _time_step(target, caches[:1], [8], context, repeats)
+    # Points: one request verifying B tokens, then 8 requests of one token against one request of 8.
+    points = [(caches[:1], [b]) for b in token_counts] + [(caches, [1] * 8), (caches[:1], [8])]
+    times: list[list[float]] = [[] for _ in points]
+    for rep in range(repeats + 1):  # the first round warms up
+        for i, (cs, lengths) in enumerate(points):
+            t = _time_step(target, cs, lengths, context)
+            if rep:
+                times[i].append(t)
+    seconds = [statistics.median(t) for t in times[: len(token_counts)]]
+    if progress:
+        for b, sec in zip(token_counts, seconds):
+            print(f"  B={b:4d}  {sec * 1e3:8.2f} ms/step")
+    many, one = (statistics.median(t) for t in times[len(token_counts):])
     per_request = max(0.0, (many - one) / 7)
     return StepProfile(profile_key(target), tuple(token_counts), tuple(seconds), per_request, context)
 
