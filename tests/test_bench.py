@@ -75,4 +75,4 @@ def test_method_labels_tell_specs_of_one_drafter_apart():
     got = method_labels(["ngram", "dspark:zoo/dspark", "dspark:zoo/dspark:full-vocab", "lookup:dspark:zoo/dspark"])
     assert got == {"ngram": "ngram", "dspark:zoo/dspark": "dspark (zoo/dspark)",
                    "dspark:zoo/dspark:full-vocab": "dspark (zoo/dspark:full-vocab)",
-                   "lookup:dspark:zoo/dspark": "lookup"}
+                   "lookup:dspark:zoo/dspark": "lookup:dspark"}

@@ -8,6 +8,9 @@ statistically against the target's exact joint instead.
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +21,7 @@ from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
 from verispec.decode import decode
-from verispec.drafters import ModelDrafter
+from verispec.drafters import Draft, ModelDrafter
 from verispec.engine import Engine
 from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, survival
 from verispec.engine.profile import StepProfile, measure
@@ -233,6 +236,34 @@ def test_dspark_lengths_follow_survival_and_stop_early():
     # Early stop, not a global argmax: a later, larger gain is never reached once one admission does not pay.
     jagged = {2: 1.0, 3: 1.5, 4: 1.5, 5: 1.5}
     assert dspark_lengths([[0.4, 0.4, 0.4]], 2, 2.0, lambda b: jagged[b]) == [0]
+
+
+class _SlowConfidentDrafter(ModelDrafter):
+    """The target drafting for itself, taking `delay` seconds a proposal and reporting confidence 1/2."""
+
+    def __init__(self, target, delay: float) -> None:
+        super().__init__(target)
+        self.delay = delay
+
+    def propose(self, requests):
+        time.sleep(self.delay)
+        return [Draft(d.tokens, d.probs, torch.full((len(d.tokens),), 0.5)) for d in super().propose(requests)]
+
+
+def test_dspark_rule_counts_the_drafting_time(target, plain):
+    """A step costs its drafting too: with tokens dear (50 ms a verified row) a half-sure position does not pay
+    for itself on the target's time alone (1 token / 60 ms > 1.5 / 110 ms; the break-even is 40 ms of drafting),
+    but once the drafter's 300 ms are part of every step it does (1 / 360 < 1.5 / 410), so the engine verifies
+    drafts; outputs stay plain's either way."""
+    bs = tuple(range(1, 17))
+    dear = StepProfile({}, bs, tuple(0.01 + 0.05 * b for b in bs), 0.0, 0)
+    for delay, verified in ((0.0, False), (0.3, True)):
+        engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="slow"),
+                        drafters={"slow": _SlowConfidentDrafter(target, delay)}, profile=dear)
+        engine.add_request(PROMPTS[0], replace(GREEDY, max_tokens=6), request_id="r")
+        out = engine.run_until_done()["r"]
+        assert out.token_ids == plain[0][:6]
+        assert (engine.metrics.num_draft_tokens > 0) == verified, delay
 
 
 def test_dspark_appendix_counterexample_is_lossless():

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from verispec.model.transformer import Transformer
 from verispec.sampling import greedy, make_generator, probs_for, sample
 from verispec.stopping import StopChecker
 from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
+
+if TYPE_CHECKING:  # verispec.engine imports this module: its modules are imported where they are used
+    from verispec.engine.profile import StepProfile
 
 
 @dataclass
@@ -97,7 +101,7 @@ class _LengthPolicy:
     tokens before x_j), never on x_j, so sampling stays lossless. c_j is the drafter's confidence where it gives
     one, else this sequence's past acceptance at position j, learnt from whole proposals (engine.policies)."""
 
-    def __init__(self, target: Transformer, k: int, profile=None) -> None:
+    def __init__(self, target: Transformer, k: int, profile: StepProfile | None = None) -> None:
         from verispec.engine import policies
         from verispec.engine.profile import load_or_measure
 
@@ -140,7 +144,7 @@ def decode_stream(
     eos_token_ids: tuple[int, ...] | None = None,
     context_limit: int | None = None,
     seq_id: int = 0,
-    profile=None,
+    profile: StepProfile | None = None,
 ) -> Iterator[StreamEvent]:
     """Generate for one sequence, yielding each round's committed tokens; the last event carries the result.
     profile: the target's StepProfile for `spec.policy == "dspark"` (default: measured once and cached)."""

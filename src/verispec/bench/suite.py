@@ -62,9 +62,11 @@ class Cell:
 
 
 def method_labels(specs: list[str]) -> dict[str, str]:
-    """A report's name for each spec: the drafter's name, with the rest of the spec where two specs share one
-    (`dspark (zoo/dspark)` and `dspark (zoo/dspark:full-vocab)`)."""
-    names = [s.split(":")[0] for s in specs]
+    """A report's name for each spec: the drafter's name (a `lookup:` wrapper's with its inner drafter's,
+    `lookup:dspark`), with the rest of the spec where two specs share one (`dspark (zoo/dspark)` and
+    `dspark (zoo/dspark:full-vocab)`)."""
+    parts = [s.split(":") for s in specs]
+    names = [":".join(p[:2]) if p[0] == "lookup" and len(p) > 1 else p[0] for p in parts]
     return {s: n if names.count(n) == 1 else f"{n} ({s[len(n) + 1:] or n})" for s, n in zip(specs, names)}
 
 
