@@ -429,6 +429,10 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
     p.add_argument("--data-dir", type=Path, default=Path("data"), help="held-out prompts come from data/tokens/val.bin")
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts to decode")
+    p.add_argument("--prompt-len", type=int, default=512,
+                   help="tokens per prompt: confidences drift with the context, so fit them on prompts as long as "
+                        "the ones they will score (128, as in training, left the zoo's drafter underconfident on "
+                        "500-750-token code prompts)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=None)
@@ -454,7 +458,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     val = args.data_dir / "tokens" / "val.bin"
     if not val.is_file():
         raise VerispecError(f"no held-out tokens at {val}: run `verispec train target` first (it prepares the data)")
-    inputs, targets = TokenWindows(val, 127, seed=3).batch(0, args.prompts)
+    if not 2 <= args.prompt_len < target.config.context_limit - args.max_tokens:
+        raise VerispecError(f"--prompt-len must be in [2, {target.config.context_limit - args.max_tokens}) "
+                            f"(the context limit less --max-tokens), got {args.prompt_len}")
+    inputs, targets = TokenWindows(val, args.prompt_len - 1, seed=3).batch(0, args.prompts)
     prompts = [row.tolist() + [int(t[-1])] for row, t in zip(inputs, targets)]
     result = calibrate(drafter, prompts, args.drafter, args.max_tokens)
     for j, (b, a, t, n) in enumerate(zip(result.ece_before, result.ece_after, result.temperatures, result.rounds), 1):
