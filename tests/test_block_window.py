@@ -174,3 +174,36 @@ def test_warm_start_ignores_the_context_window(tmp_path, target):
     warm_start(other, tmp_path / "d", target.config)
     for a, b in zip(model.state_dict().values(), other.state_dict().values()):
         torch.testing.assert_close(a.to(torch.bfloat16).float(), b)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_window_cache_is_sized_by_the_window_and_grows_for_pending_rows(prepared, target):
+    """A windowed drafter's context cache starts at 2W + 2 blocks, not the whole context; behind prompt lookup
+    (which drafts a repetitive prompt's continuation itself while the block drafter only hears the accepted rows)
+    pending rows pile up past that and the cache grows for them; every block proposal is still exactly what a
+    fresh windowless drafter drafts on the visible positions, and the output is plain decoding's."""
+    from verispec.drafters.lookup import LookupFirstDrafter
+
+    model = make_block(target, **KINDS["dspark"])
+    if prepared:
+        model = model.prepare_inference()
+    inner = BlockDrafter(model, target, context_window=2)
+    rec = _Rounds(inner)
+    prompt = PROMPTS[0] * 3  # repeats itself: prompt lookup drafts most rounds
+    inner.start(7, prompt)
+    assert inner._ctx[7].max_len == 2 * 2 + 2 * model.config.block_size < target.config.context_limit
+    inner.finish(7)
+    first = 2 * 2 + 2 * model.config.block_size
+    capacity = []
+    original = inner.propose
+
+    def propose(requests):
+        drafts = original(requests)
+        capacity.append(inner._ctx[requests[0].seq_id].max_len)
+        return drafts
+
+    inner.propose = propose
+    out = decode(target, prompt, GREEDY, drafter=LookupFirstDrafter(rec), spec=SpecConfig(k=4))
+    assert out.token_ids == decode(target, prompt, GREEDY).token_ids
+    assert capacity[0] == first and max(capacity) > first  # grew for rows pending from lookup rounds
+    _check_against_fresh(model, target, rec.seen, 2)

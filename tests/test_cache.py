@@ -217,3 +217,18 @@ def test_model_drafter_cache_consistent_after_partial_acceptance(draft_kind):
         assert any(0 < acc < drafted for drafted, acc in rounds), rounds  # partial: cache truncated mid-draft
         assert any(acc == drafted > 1 for drafted, acc in rounds), rounds  # all accepted: nothing to roll back
         assert any(acc == 0 for drafted, acc in rounds), rounds  # all rejected
+
+
+def test_reserve_grows_and_keeps_the_committed_entries():
+    """reserve(n) never shrinks; growing at least doubles the capacity and keeps every committed entry."""
+    c = KVCache(L, H, D, 4)
+    c.write(0, *_kv(3, 1.0))
+    c.advance(3)
+    c.reserve(4)
+    assert c.max_len == 4
+    c.reserve(5)
+    assert c.max_len == 8 and c.length == 3
+    assert torch.equal(c.k[0, :, :, :3], _kv(3, 1.0)[0]) and torch.equal(c.v[0, :, :, :3], _kv(3, 1.0)[1])
+    c.write(0, *_kv(5, 2.0))  # now fits
+    c.reserve(100)
+    assert c.max_len == 100 and torch.equal(c.k[0, :, :, :3], _kv(3, 1.0)[0])

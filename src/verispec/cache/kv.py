@@ -60,6 +60,19 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
+    def reserve(self, max_len: int) -> None:
+        """Room for at least max_len entries: grows the storage (at least doubling it, committed entries
+        copied) when it is smaller, for caches sized by what they hold rather than by the whole context."""
+        if max_len <= self.max_len:
+            return
+        new_len = max(max_len, 2 * self.max_len)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros((*old.shape[:3], new_len, old.shape[4]))
+            grown[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, grown)
+        self.max_len = new_len
+
     def drop_front(self, n: int) -> None:
         """Forget the oldest n committed entries: the newest length - n move to the front (a sliding window)."""
         if not 0 <= n <= self.length:

@@ -68,11 +68,12 @@ class BlockDrafter(Drafter):
         self._cache: dict[str, tuple[tuple, object]] = {}  # see _derived
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
-        cfg = self.target.config
-        self._ctx[seq_id] = KVCache(
-            self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.context_limit + self.model.config.block_size, dtype=self._ctx_dtype, device=self.target.device,
-        )
+        cfg, g = self.target.config, self.model.config.block_size
+        # A window holds 2W entries between slides, plus a block; rows pending from several lookup rounds grow the
+        # cache on demand (KVCache.reserve). Without a window, room for the whole context.
+        rows = 2 * self.window + 2 * g if self.window else cfg.context_limit + g
+        self._ctx[seq_id] = KVCache(self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim, rows,
+                                    dtype=self._ctx_dtype, device=self.target.device)
         self._pending.pop(seq_id, None)  # a restarted sequence keeps nothing of its previous run
         self._ctx_start[seq_id] = 0
 

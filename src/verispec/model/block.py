@@ -216,6 +216,7 @@ class BlockDraftModel(nn.Module):
         if cache_start + cache.length != start:
             raise ValueError(f"context cache holds positions {cache_start}..{cache_start + cache.length - 1}, "
                              f"new features start at {start}")
+        cache.reserve(cache.length + feats.shape[1])
         positions = torch.arange(start, start + feats.shape[1], device=feats.device)[None]
         for i, (k, v) in enumerate(self.context_kv(feats, positions)):
             cache.write(i, k, v)
@@ -238,6 +239,8 @@ class BlockDraftModel(nn.Module):
         n = 0 if new_ctx is None else new_ctx.shape[1]
         if n and not (isinstance(ctx, KVCache) and ctx_start + ctx.length + n == int(anchor_pos[0])):
             raise ValueError("new context rows must end at the anchor of one sequence's context cache")
+        if isinstance(ctx, KVCache):  # the new context rows and the block's keys/values go after its entries
+            ctx.reserve(ctx.length + n + g)
         tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
         x = embed(tokens).to(self.fc.weight.dtype)
