@@ -32,7 +32,7 @@ def dspark_lengths(
     survivals: Sequence[Sequence[float]],  # per request, a_1..a_k (non-increasing)
     base_tokens: int,  # rows the step verifies anyway: every request's anchor, other requests' drafts, prefill
     base_tau: float,  # tokens the step commits anyway (one per decoding request, plus others' expected accepts)
-    step_time: Callable[[int], float],  # seconds for a step that verifies B tokens
+    step_time: Callable[[int], float],  # seconds for a step that verifies B tokens, its drafting included
 ) -> list[int]:
     """Algorithm 1 with the early stop: returns the number of draft tokens to verify per request."""
     items = sorted(
