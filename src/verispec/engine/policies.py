@@ -72,7 +72,7 @@ class AcceptanceEstimator:
         return table[key]
 
     def update(self, drafter: str, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """One verified round: positions 1..num_accepted+1 were reached (capped at num_draft), 1..num_accepted passed."""
+        """One verified round: positions 1..num_accepted+1 were reached (at most num_draft), 1..num_accepted passed."""
         reached_to = min(num_accepted + 1, num_draft, self.max_k)
         passed_to = min(num_accepted, self.max_k)
         for reached, accepted in (self._counts(self._global, drafter), self._counts(self._local, request_id)):
