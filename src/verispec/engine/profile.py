@@ -7,6 +7,7 @@ attention call and cache write per layer) from R requests of one token each agai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -34,10 +35,16 @@ class StepProfile:
     per_request_s: float  # extra cost of each request beyond the first
     context: int  # committed tokens in each request's cache while measuring
 
+    @functools.cached_property
+    def _rising(self) -> tuple[float, ...]:
+        """The measured seconds made non-decreasing: more tokens never cost less, a measured dip is the machine's
+        noise. Computed once (step_time runs per draft position every round)."""
+        return tuple(itertools.accumulate(self.seconds, max))
+
     def step_time(self, tokens: int, requests: int = 1) -> float:
-        """Linear interpolation between measured points, linear extrapolation past the last two. The points are
-        made non-decreasing first: more tokens never cost less, a measured dip is the machine's noise."""
-        xs, ys = self.tokens, list(itertools.accumulate(self.seconds, max))
+        """Linear interpolation between the (non-decreasing) measured points, linear extrapolation past the last
+        two."""
+        xs, ys = self.tokens, self._rising
         if tokens <= xs[0]:
             t = ys[0]
         else:

@@ -1,9 +1,8 @@
 """verispec's own CPU kernels, compiled on first use and called through ctypes: the matmul of inference
 (`gemm.c`), attention of a few queries over a KV cache (`attention.c`), the greedy DSpark head loop
 (`markov.c`), a block drafter's layer in one call (`blocklayer.c`, built on the first two) and the greedy argmax
-of logits (`argmax.c`). The matmul and
-attention compute a row (a token, a query) in one fixed order whatever else is in the call, so a verify step over
-9 tokens gives each token what a one-token step gives it.
+of logits (`argmax.c`). The matmul and attention compute a row (a token, a query) in one fixed order whatever else
+is in the call, so a verify step over 9 tokens gives each token what a one-token step gives it.
 
 The kernels are plain C files built with the system C compiler (`$CC`, else `cc`) into the user cache, one
 shared library per source hash; no torch headers, so a build takes about a second. It links OpenMP by its soname,
