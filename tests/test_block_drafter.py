@@ -518,6 +518,31 @@ def test_native_block_layers_stay_out_of_batches_and_training(target, native_cal
         assert model._native_packs(x.detach().bfloat16(), ctx, None) is None
 
 
+def test_block_drafter_norms_are_native_at_inference_only(target, native_calls, monkeypatch):
+    """The context and final norms of a proposal take native.rmsnorm; training (a gradient) and use_native=False
+    keep the torch module, and both give the same states to rounding."""
+    model = make_block(target, head="markov", confidence=True).prepare_inference()
+    norms = []
+    inner = native.rmsnorm
+    monkeypatch.setattr(native, "rmsnorm", lambda *a: norms.append(a[0].shape) or inner(*a))
+    hidden = {1: torch.randn(5, target.config.hidden_size)}
+    with torch.inference_mode():
+        fast = model.context_features(hidden)
+        model.use_native = False
+        slow = model.context_features(hidden)
+        model.use_native = True
+    assert len(norms) == 1
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    model.context_features(hidden)  # grad mode: torch
+    assert len(norms) == 1
+    drafter = BlockDrafter(model, target)
+    _observed(drafter, 0, PROMPTS[0], target)
+    drafter.propose([DraftRequest(0, PROMPTS[0], 4, SamplingParams(), None)])
+    # the prompt's context rows (observe) and the block's final norm
+    d = target.config.hidden_size
+    assert norms[1:] == [torch.Size([len(PROMPTS[0]) - 1, d]), torch.Size([1, 4, d])] and native_calls
+
+
 @pytest.mark.parametrize("kind", ["parallel", "dspark"])
 def test_native_block_drafter_greedy_equals_plain(kind, target, plain, native_calls):
     """A1 with loaded (fused, native) block drafters through decode and the engine."""

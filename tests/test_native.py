@@ -195,6 +195,33 @@ def test_markov_greedy_over_a_draft_vocabulary(two_threads):
         native.markov_greedy(base, w1, w2[ids].t().contiguous(), 4321, vocab=bad)
 
 
+# ---- rmsnorm ----------------------------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 512), (2, 9, 64), (3, 37), (0, 16)])
+def test_rmsnorm_matches_the_torch_module(shape):
+    """native.rmsnorm is model.layers.RMSNorm in fp32 up to summation order (the block drafter's norms), each row
+    alone: a row's result does not depend on the rows beside it."""
+    from verispec.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(len(shape))
+    norm = RMSNorm(shape[-1], 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    x = torch.randn(*shape, generator=gen) * 3
+    got = native.rmsnorm(x, norm.weight, norm.eps)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(got, norm(x), rtol=1e-5, atol=1e-6)
+    if x.numel():
+        rows = x.reshape(-1, shape[-1])
+        assert torch.equal(native.rmsnorm(rows[-1:], norm.weight, norm.eps), got.reshape(-1, shape[-1])[-1:])
+    with pytest.raises(ValueError, match="fp32"):
+        native.rmsnorm(x.to(BF16), norm.weight, norm.eps)
+    with pytest.raises(ValueError, match="fp32"):
+        native.rmsnorm(x, norm.weight[:-1], norm.eps)
+
+
 # ---- the model: a verify step computes what one-token steps compute ---------------------------------------------
 
 @needs_native

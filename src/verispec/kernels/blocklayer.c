@@ -34,6 +34,12 @@ static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float 
     for (i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
 }
 
+/* rmsnorm over `rows` rows of d floats: a block drafter's context and final norms, which as torch ops (about ten
+ * small ones each) cost more than the norm itself. */
+void vs_rmsnorm(const float *x, int64_t rows, int64_t d, const float *w, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) rmsnorm(x + r * d, w, d, eps, y + r * d);
+}
+
 /* A head's RMSNorm, then RoPE with the signed-sin table of layers.py: out = x * cos + [x2, x1] * sin. */
 static void norm_rope(const float *x, const float *w, int64_t D, float eps, const float *cos, const float *sin,
                       float *out) {

@@ -86,6 +86,9 @@ def _load() -> ctypes.CDLL | None:
     m = lib.vs_argmax
     m.restype = cint
     m.argtypes = [ptr, cint, i64, i64, i64, ptr]
+    r = lib.vs_rmsnorm
+    r.restype = None
+    r.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
     b = lib.vs_block_layer
     b.restype = ctypes.c_int
     b.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, cint, ptr, cint, ptr, cint,
@@ -227,6 +230,20 @@ def attention(
     if rc != 0:
         raise ValueError(f"native attention failed ({rc}): heads {h}/{hkv}, head_dim {d}")
     return out.transpose(1, 2)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d] fp32 -> [..., d] fp32
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, as model.layers.RMSNorm in fp32 (up to summation
+    order), in one call (blocklayer.c)."""
+    lib = _required()
+    d = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (d,):
+        raise ValueError("native rmsnorm: fp32 x [..., d] and fp32 weight [d] expected")
+    x = x.contiguous()
+    w = weight.detach().contiguous()
+    y = torch.empty_like(x)
+    lib.vs_rmsnorm(x.data_ptr(), x.numel() // d if d else 0, d, w.data_ptr(), eps, y.data_ptr())
+    return y
 
 
 def block_layer(

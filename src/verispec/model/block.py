@@ -203,7 +203,14 @@ class BlockDraftModel(nn.Module):
     # ---- context ----------------------------------------------------------------------------------------------
     def context_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:  # {layer: [..., T, d]} -> [..., T, d]
         h = torch.cat([hidden[layer] for layer in self.config.target_layers], dim=-1)
-        return self.hidden_norm(self.fc(h.to(self.fc.weight.dtype)))
+        return self._norm(self.hidden_norm, self.fc(h.to(self.fc.weight.dtype)))
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """norm(x), through the native kernel at inference on CPU in fp32 (one call for about ten small ops)."""
+        if (self.use_native and x.dtype == norm.weight.dtype == torch.float32 and x.device.type == "cpu"
+                and not torch.is_grad_enabled() and native.available()):
+            return native.rmsnorm(x, norm.weight, norm.eps)
+        return norm(x)
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [B, Hkv, T, D] of context features [B, T, d] at positions [B, T]."""
@@ -244,24 +251,26 @@ class BlockDraftModel(nn.Module):
         tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
         x = embed(tokens).to(self.fc.weight.dtype)
-        positions = anchor_pos[:, None] + torch.arange(-n, g, device=anchors.device)[None]
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        mask = None
-        if ctx_mask is not None:  # the block always sees itself
-            own = torch.ones(*ctx_mask.shape[:2], g, g, dtype=torch.bool, device=ctx_mask.device)
-            mask = torch.cat([ctx_mask.expand(-1, -1, g, -1), own], dim=-1)
-        packs = self._native_packs(x, ctx, mask)
+        packs = self._native_packs(x, ctx, ctx_mask)
         if packs is not None:  # one sequence over its cache: one native call per layer
             feats = None if not n else new_ctx[0].to(torch.float32).contiguous()
-            rows, cos2, sin2 = x[0], cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()  # [G, d], [n + G, D]
+            first = int(anchor_pos[0]) - n  # positions first .. first + n + G - 1: rows of the fp32 tables
+            rope = self.rotary_emb
+            cos, sin = rope.cos[first : first + n + g], rope.sin[first : first + n + g]  # [n + G, D]
             for i, layer in enumerate(self.layers):
-                layer.native_forward(rows, packs[i], cos2, sin2, ctx, i, feats)
+                layer.native_forward(x[0], packs[i], cos, sin, ctx, i, feats)
         else:
+            positions = anchor_pos[:, None] + torch.arange(-n, g, device=anchors.device)[None]
+            cos, sin = self.rotary_emb(positions, x.dtype)
+            mask = None
+            if ctx_mask is not None:  # the block always sees itself
+                own = torch.ones(*ctx_mask.shape[:2], g, g, dtype=torch.bool, device=ctx_mask.device)
+                mask = torch.cat([ctx_mask.expand(-1, -1, g, -1), own], dim=-1)
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, (ctx, i) if isinstance(ctx, KVCache) else ctx[i], mask, new_ctx)
         if n:
             ctx.advance(n)
-        return self.norm(x)
+        return self._norm(self.norm, x)
 
     # Where a proposal takes kernels/blocklayer.c: one sequence over its context cache (no mask), fp32 activations
     # and cache, no gradient, every layer fused and natively packed at load. Elsewhere (training, batched
