@@ -21,6 +21,7 @@ costliest per-round ops after the block forward; `block:DIR:full-vocab` / `dspar
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -176,10 +177,12 @@ class BlockDrafter(Drafter):
         span = max(budgets[i] for i in live)
         base = self._block_logits(h[:, :span].to(self.target.dtype))  # [R, span, V'] the block logits U
         ids = self.draft_vocab  # column -> token id (None: the identity)
-        if cfg.confidence:
-            conf_h = self.model.confidence_state_term(h[:, :span])  # [R, span]
-            conf_prev = self._derived("conf", (self.model.markov_in.weight, self.model.confidence_head.weight),
-                                      self.model.confidence_token_table)  # [V]
+        if cfg.confidence:  # c_j = sigmoid((h_j . w + b + W1[x_{j-1}] . w') / T_j): the state term for every
+            # position in one matmul, the token term from a table; the eight sigmoids in Python, not as tensor ops
+            head = self.model.confidence_head
+            w_state, table = self._derived("conf", (self.model.markov_in.weight, head.weight, head.bias),
+                                           self._confidence_terms)
+            conf_h = (h[:, :span] @ w_state).tolist()  # [R][span]
         anchor_ids = anchors.tolist()
         tokens: list[list[int]] = [[] for _ in live]
         probs: list[torch.Tensor | None] = [None] * len(live)
@@ -201,9 +204,9 @@ class BlockDrafter(Drafter):
         for row, i in enumerate(live):
             conf = None
             if cfg.confidence:  # c_j from h_j and x_{j-1} only: never from the token about to be drawn
-                prev = torch.tensor([anchor_ids[row], *tokens[row][:-1]], device=device)
-                temps = torch.tensor([self._temperature(j) for j in range(len(tokens[row]))], device=device)
-                conf = torch.sigmoid((conf_h[row, : len(prev)] + conf_prev[prev]).float() / temps)
+                prev = [anchor_ids[row], *tokens[row][:-1]]
+                conf = torch.tensor([_sigmoid((conf_h[row][j] + table[x]) / self._temperature(j))
+                                     for j, x in enumerate(prev)], device=device)
             drafts[i] = Draft(tokens[row], probs[row], conf)
         return drafts
 
@@ -279,8 +282,17 @@ class BlockDrafter(Drafter):
             hit = self._cache[name] = (key, make())
         return hit[1]
 
+    def _confidence_terms(self) -> tuple[torch.Tensor, list[float]]:
+        """model.confidence_terms() for the head loop: the state weights contiguous, the token table as floats."""
+        w_h, table = self.model.confidence_terms()
+        return w_h.detach().contiguous(), table.detach().tolist()
+
     def _temperature(self, j: int) -> float:
         return self.temperatures[j] if j < len(self.temperatures) else 1.0
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
 def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

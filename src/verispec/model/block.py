@@ -291,13 +291,10 @@ class BlockDraftModel(nn.Module):
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # [..., d], [...] -> [...]
         return self.confidence_head(torch.cat([h, self.markov_in(prev).to(h.dtype)], dim=-1)).squeeze(-1)
 
-    # confidence_logit(h, prev) = confidence_state_term(h) + confidence_token_table()[prev]: the block-state term
-    # (bias included) for every position at once and a per-previous-token table, so a sequential head loop
+    # confidence_logit(h, prev) = h . w_h + t[prev] with (w_h, t) = confidence_terms(): the block-state weights for
+    # every position at once and a per-previous-token table (the W1 term and the bias), so a sequential head loop
     # indexes instead of running a layer per position.
-    def confidence_state_term(self, h: torch.Tensor) -> torch.Tensor:  # [..., d] -> [...]
+    def confidence_terms(self) -> tuple[torch.Tensor, torch.Tensor]:  # w_h [d], t [V]
         w = self.confidence_head.weight[0]
-        return h @ w[: h.shape[-1]] + self.confidence_head.bias[0]
-
-    def confidence_token_table(self) -> torch.Tensor:  # [V]: the W1[prev] term of every previous token
-        w = self.confidence_head.weight[0]
-        return self.markov_in.weight.to(w.dtype) @ w[w.shape[0] - self.config.markov_rank :]
+        d = w.shape[0] - self.config.markov_rank
+        return w[:d], self.markov_in.weight.to(w.dtype) @ w[d:] + self.confidence_head.bias[0]
