@@ -48,7 +48,7 @@ def plain(target):
 
 
 KINDS = {"parallel": dict(head="none"), "dspark": dict(head="markov", confidence=True),
-         "parallel+confidence": dict(head="none", confidence=True)}
+         "dspark-rnn": dict(head="rnn", confidence=True), "parallel+confidence": dict(head="none", confidence=True)}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -93,6 +93,28 @@ def test_context_cache_equals_recomputation(target):
     decode(target, PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True), drafter=_Recorder(incremental, tokens),
            spec=SpecConfig(k=3), seq_id=7)
     assert incremental.last == fresh.tokens
+
+
+def test_rnn_head_follows_dspark_recurrence(target):
+    """head_bias for the RNN head is DSpark's cell written out: z_k = [s_{k-1}; W1[x_{k-1}]; h_k], one linear map to
+    gate / candidate / output, s_k = sig(g) s_{k-1} + (1 - sig(g)) tanh(c), B_k = W2 tanh(o), s_0 = 0; so unlike
+    the Markov head, B_k depends on tokens before x_{k-1}."""
+    model = make_block(target, head="rnn", confidence=True)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 3, target.config.hidden_size, generator=gen).expand(2, -1, -1)  # the same block states
+    prev = torch.tensor([[5, 9, 11], [6, 9, 11]])  # and the same x_1, x_2, after different anchors
+    with torch.no_grad():
+        got = model.head_bias(h, prev)
+        w1, cell, w2 = model.markov_in.weight, model.rnn_cell, model.markov_out.weight
+        r = model.config.markov_rank
+        for n in range(2):
+            s = torch.zeros(r)
+            for k in range(3):
+                g, c, o = (cell.weight @ torch.cat([s, w1[prev[n, k]], h[n, k]]) + cell.bias).split(r)
+                torch.testing.assert_close(got[n, k], w2 @ torch.tanh(o), rtol=1e-5, atol=1e-5)
+                s = torch.sigmoid(g) * s + (1 - torch.sigmoid(g)) * torch.tanh(c)
+    assert not torch.allclose(got[0, 2], got[1, 2])  # the anchor still matters two positions later
+    assert got.shape == (2, 3, target.config.vocab_size)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -178,7 +200,7 @@ def test_checkpoint_round_trip_and_errors(tmp_path, target):
     with pytest.raises(CheckpointError, match="not a block drafter"):
         load_block_drafter(tmp_path / "missing", target)
     with pytest.raises(ConfigError, match="head"):
-        BlockConfig(target_layers=(1,), head="rnn")
+        BlockConfig(target_layers=(1,), head="gru")
 
 
 N_STAT = 2000

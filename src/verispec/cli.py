@@ -251,6 +251,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "with the Markov head and the confidence head")
     d.add_argument("--loss", default=None, choices=list(LOSSES),
                    help="block drafters' loss (default: dspark for --kind dspark, ce+decay for block)")
+    d.add_argument("--head", default=BlockTrainConfig.head, choices=["markov", "rnn"],
+                   help="dspark: the sequential head (markov: bias from the previous token; rnn: a gated state over "
+                        "the drafted prefix, DSpark's option)")
     d.add_argument("--block-size", type=int, default=BlockTrainConfig.block_size)
     d.add_argument("--out", type=Path, default=None, help="run directory (default: data/runs/KIND)")
     d.add_argument("--zoo-dir", type=Path, default=None, help="where the finished drafter ships (default: zoo/KIND)")

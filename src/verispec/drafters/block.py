@@ -200,7 +200,8 @@ class BlockDrafter(Drafter):
                 looped.append(row)
         if looped:
             self._head_loop([requests[live[row]] for row in looped], [budgets[live[row]] for row in looped],
-                            base[looped], anchors[looped], [tokens[row] for row in looped], probs, looped)
+                            base[looped], h[looped, :span], anchors[looped], [tokens[row] for row in looped], probs,
+                            looped)
         for row, i in enumerate(live):
             conf = None
             if cfg.confidence:  # c_j from h_j and x_{j-1} only: never from the token about to be drawn
@@ -210,20 +211,25 @@ class BlockDrafter(Drafter):
             drafts[i] = Draft(tokens[row], probs[row], conf)
         return drafts
 
-    def _head_loop(self, requests, budgets, base, prev, tokens, probs, rows) -> None:
-        """Draft left to right in torch, all given requests together: x_j from U_j plus (markov) the transition
-        bias of x_{j-1}, argmax or sampled from q_j = probs_for(logits) with each request's own generator.
+    def _head_loop(self, requests, budgets, base, states, prev, tokens, probs, rows) -> None:
+        """Draft left to right in torch, all given requests together: x_j from U_j plus the sequential head's bias
+        (markov: from x_{j-1}; rnn: from its state over the block states `states` [R, span, d] and x_1..x_{j-1}),
+        argmax or sampled from q_j = probs_for(logits) with each request's own generator.
         Appends to tokens[n]; sets probs[rows[n]] to the [budget, V] draft distribution of sampled requests."""
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         ids, vocab_size = self.draft_vocab, self.target.config.vocab_size
-        if self.model.config.head == "markov":
+        head, state = self.model.config.head, None
+        if head != "none":
             w2 = self.model.markov_out.weight
             if ids is not None:  # W2's rows for the draft vocabulary
                 w2 = self._derived("w2_vocab", (w2,), lambda: self.model.markov_out.weight[ids].contiguous())
         for j in range(max(budgets)):
             logits = base[:, j]
-            if self.model.config.head == "markov":
+            if head == "markov":
                 logits = logits + F.linear(self.model.markov_in(prev), w2).float()
+            elif head == "rnn":
+                u, state = self.model.rnn_step(state, states[:, j], prev)
+                logits = logits + F.linear(u, w2).float()
             nxt = prev.clone()
             for n, r in enumerate(requests):
                 if j >= budgets[n]:
@@ -310,7 +316,7 @@ def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def save_block_drafter(model: BlockDraftModel, path: Path, extra: dict | None = None) -> None:
     path.mkdir(parents=True, exist_ok=True)
     t = model.target_config
-    meta = {KIND_KEY: "dspark" if model.config.head == "markov" else "block", "block": model.config.to_dict(),
+    meta = {KIND_KEY: "block" if model.config.head == "none" else "dspark", "block": model.config.to_dict(),
             "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
                        "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
     (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -423,10 +429,11 @@ def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, de
 
 @register_drafter("dspark", bench_spec=_bench_spec("dspark"))
 def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
-    """`dspark:DIR[:full-vocab][:window=N]`: a block drafter with DSpark's Markov head and confidence head."""
+    """`dspark:DIR[:full-vocab][:window=N]`: a block drafter with DSpark's sequential head (Markov or RNN, as its
+    checkpoint says) and confidence head."""
     if arg is None:
         raise CheckpointError("the dspark drafter needs a checkpoint: dspark:DIR")
     drafter = _load_spec(arg, target)
-    if drafter.model.config.head != "markov":
+    if drafter.model.config.head == "none":
         raise CheckpointError(f"{arg} is a parallel block drafter; load it as block:{arg}")
     return drafter

@@ -11,6 +11,9 @@ Heads on top of the block logits U_k:
 - none (parallel, DFlash): q_k = softmax(U_k), all positions independent.
 - markov (DSpark): q_k = softmax(U_k + W2 W1[x_{k-1}]), x_0 = the anchor: sampled left to right, so each q_k
   is exact for the token actually drawn.
+- rnn (DSpark's option): q_k = softmax(U_k + W2 tanh(o_k)), with [g_k; c_k; o_k] = A [s_{k-1}; W1[x_{k-1}]; h_k]
+  and s_k = sigmoid(g_k) * s_{k-1} + (1 - sigmoid(g_k)) * tanh(c_k), s_0 = 0: a gated state carries the whole
+  drafted prefix, not only x_{k-1}; sampled left to right like the Markov head.
 - confidence (DSpark): c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]), P(x_k accepted | x_1..x_{k-1} accepted), known
   before x_k is drawn. A parallel drafter may carry one too (the ablation compares heads under the same loss).
 """
@@ -30,7 +33,7 @@ from verispec.kernels import native
 from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears
 from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
 
-HEADS = ("none", "markov")
+HEADS = ("none", "markov", "rnn")  # the sequential heads: every head but "none"
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class BlockConfig:
     target_layers: tuple[int, ...]  # target hidden-state layers used as context (HF indexing; not the last)
     block_size: int = 8  # gamma
     num_layers: int = 2
-    head: str = "none"  # none | markov
+    head: str = "none"  # none | markov | rnn
     markov_rank: int = 64
     confidence: bool = False
     mask_token_id: int = 3
@@ -182,11 +185,14 @@ class BlockDraftModel(nn.Module):
         self.layers = nn.ModuleList(_BlockLayer(target_cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, target_cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(target_cfg)
-        if cfg.head == "markov" or cfg.confidence:  # W1: the confidence head reads it too
-            self.markov_in = nn.Embedding(target_cfg.vocab_size, cfg.markov_rank)
-        if cfg.head == "markov":
-            self.markov_out = nn.Linear(cfg.markov_rank, target_cfg.vocab_size, bias=False)  # W2
+        r = cfg.markov_rank
+        if cfg.head != "none" or cfg.confidence:  # W1: the confidence head reads it too
+            self.markov_in = nn.Embedding(target_cfg.vocab_size, r)
+        if cfg.head != "none":
+            self.markov_out = nn.Linear(r, target_cfg.vocab_size, bias=False)  # W2
             nn.init.zeros_(self.markov_out.weight)  # starts as the parallel drafter
+        if cfg.head == "rnn":
+            self.rnn_cell = nn.Linear(2 * r + d, 3 * r)  # A: [s; W1[x]; h] -> gate, candidate, output
         if cfg.confidence:
             self.confidence_head = nn.Linear(d + cfg.markov_rank, 1)
 
@@ -287,6 +293,27 @@ class BlockDraftModel(nn.Module):
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V]
         return self.markov_out(self.markov_in(prev))
+
+    def head_bias(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # [N, G, d], [N, G] -> [N, G, V]
+        """The sequential head's bias B_k for every position, teacher-forced: prev[:, k] is x_{k-1} (the anchor
+        first). The RNN head is unrolled over the block, as inference runs it one position at a time."""
+        if self.config.head == "markov":
+            return self.markov_bias(prev)
+        state, out = None, []
+        for k in range(h.shape[1]):
+            u, state = self.rnn_step(state, h[:, k], prev[:, k])
+            out.append(u)
+        return self.markov_out(torch.stack(out, dim=1))
+
+    def rnn_step(
+        self, state: torch.Tensor | None, h: torch.Tensor, prev: torch.Tensor  # [N, r] or None (s_0 = 0), [N, d], [N]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # tanh(o_k) [N, r] (B_k = W2 of it), s_k [N, r]
+        emb = self.markov_in(prev).to(h.dtype)
+        if state is None:
+            state = emb.new_zeros(emb.shape)
+        gate, cand, out = self.rnn_cell(torch.cat([state, emb, h], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(gate)
+        return torch.tanh(out), g * state + (1 - g) * torch.tanh(cand)
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # [..., d], [...] -> [...]
         return self.confidence_head(torch.cat([h, self.markov_in(prev).to(h.dtype)], dim=-1)).squeeze(-1)

@@ -27,7 +27,8 @@ from verispec.train.losses import LOSSES, block_loss
 
 @dataclass(frozen=True)
 class BlockTrainConfig:
-    kind: str = "dspark"  # block (parallel) | dspark (Markov head + confidence head)
+    kind: str = "dspark"  # block (parallel) | dspark (sequential head + confidence head)
+    head: str = "markov"  # dspark's sequential head: markov | rnn
     loss: str = "dspark"  # ce | ce+decay | auf | auf+decay | dspark
     block_size: int = 8
     num_layers: int = 2
@@ -55,6 +56,8 @@ class BlockTrainConfig:
             raise ValueError(f"target_dtype must be fp32 or bf16, got {self.target_dtype!r}")
         if self.kind not in ("block", "dspark"):
             raise ValueError(f"kind must be block or dspark, got {self.kind!r}")
+        if self.head not in ("markov", "rnn"):
+            raise ValueError(f"head must be markov or rnn, got {self.head!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         object.__setattr__(self, "target_layers", tuple(self.target_layers))
@@ -62,7 +65,7 @@ class BlockTrainConfig:
     def block_config(self, mask_token_id: int) -> BlockConfig:
         # The dspark loss trains a confidence head, so a parallel drafter trained with it gets one too.
         return BlockConfig(target_layers=self.target_layers, block_size=self.block_size, num_layers=self.num_layers,
-                           head="markov" if self.kind == "dspark" else "none", markov_rank=self.markov_rank,
+                           head=self.head if self.kind == "dspark" else "none", markov_rank=self.markov_rank,
                            confidence=self.kind == "dspark" or self.loss == "dspark", mask_token_id=mask_token_id,
                            context_window=self.prompt_len)  # anchors saw prompt_len .. seq_len context positions
 
@@ -104,8 +107,8 @@ def block_forward(
     logits = target.lm_head(h.to(target.dtype)).float()
     confidence = None
     prev = torch.cat([blocks.anchors[:, None], blocks.labels[:, :-1]], dim=1)  # teacher forcing
-    if model.config.head == "markov":
-        logits = logits + model.markov_bias(prev).float()
+    if model.config.head != "none":
+        logits = logits + model.head_bias(h, prev).float()
     if model.config.confidence:
         confidence = torch.sigmoid(model.confidence_logit(h, prev).float())
     return logits, confidence, h

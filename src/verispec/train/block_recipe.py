@@ -56,7 +56,7 @@ def evaluate(model, target_dir: Path, sequences: np.ndarray, cfg: BlockTrainConf
 def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_dir: Path) -> int:
     defaults = BlockTrainConfig()
     cfg = BlockTrainConfig(
-        kind=args.kind, loss=args.loss or ("dspark" if args.kind == "dspark" else "ce+decay"),
+        kind=args.kind, head=args.head, loss=args.loss or ("dspark" if args.kind == "dspark" else "ce+decay"),
         block_size=args.block_size, max_steps=args.max_steps or defaults.max_steps,
         anchors=args.anchors or defaults.anchors, target_dtype=args.dtype,
         lr=args.lr or defaults.lr, init_from=str(args.init_from) if args.init_from else None,
@@ -88,12 +88,14 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
 
 def card(summary: dict, target: Path) -> str:
     c = summary["config"]
-    head = "Markov head (rank {}) and confidence head".format(c["markov_rank"]) if summary["kind"] == "dspark" \
-        else "no sequential head (parallel)"
+    heads = {"markov": "Markov head", "rnn": "RNN head"}
+    head = "{} (rank {}) and confidence head".format(heads[c.get("head", "markov")], c["markov_rank"]) \
+        if summary["kind"] == "dspark" else "no sequential head (parallel)"
     per_pos = ", ".join(f"{x:.2f}" for x in summary["held_out"]["per_pos"])
     warm = ""
     if c.get("init_from"):  # a warm-started leg: its steps come on top of the source drafter's
         warm = f" --lr {c['lr']} \\\n        --init-from {_shown(Path(c['init_from']))}"
+    rnn = " --head rnn" if summary["kind"] == "dspark" and c.get("head") == "rnn" else ""
     return f"""# verispec {summary['kind']} drafter
 
 A block drafter for `{_shown(target)}`: {c['num_layers']} decoder layers over the target's hidden states at layers
@@ -107,7 +109,7 @@ The target's own greedy continuations of training-corpus prompts (PSF-licensed P
 {c['anchors']} random anchors per sequence, loss `{summary['loss']}`, AdamW lr {c['lr']}, {summary['steps']} steps of
 {c['batch_size']} sequences in {summary['training_hours']:.2f} h on CPU (frozen target in {c['target_dtype']}). Recipe:
 
-    verispec train drafter --kind {summary['kind']} --loss {summary['loss']} --block-size {c['block_size']} \\
+    verispec train drafter --kind {summary['kind']}{rnn} --loss {summary['loss']} --block-size {c['block_size']} \\
         --anchors {c['anchors']} --max-steps {c['max_steps']} --num-sequences {summary.get('num_sequences', 1536)} \\
         --dtype {c['target_dtype']}{warm}
 
