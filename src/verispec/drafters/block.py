@@ -1,4 +1,5 @@
-"""Block drafters (`block`: parallel, DFlash-style; `dspark`: with the Markov head and the confidence head).
+"""Block drafters (`block`: parallel, DFlash-style; `dspark`: with DSpark's sequential head, Markov or RNN, and the
+confidence head).
 
 Per sequence the drafter keeps a cache of context keys/values built from the target's hidden states of every
 committed position before the anchor: the prompt's come from the prefill (`observe`), later ones from the rows
@@ -177,8 +178,8 @@ class BlockDrafter(Drafter):
         span = max(budgets[i] for i in live)
         base = self._block_logits(h[:, :span].to(self.target.dtype))  # [R, span, V'] the block logits U
         ids = self.draft_vocab  # column -> token id (None: the identity)
-        if cfg.confidence:  # c_j = sigmoid((h_j . w + b + W1[x_{j-1}] . w') / T_j): the state term for every
-            # position in one matmul, the token term from a table; the eight sigmoids in Python, not as tensor ops
+        if cfg.confidence:  # c_j = sigmoid((h_j . w_h + t[x_{j-1}]) / T_j) (model.confidence_terms): one matmul for
+            # every position's state term; the token term and the sigmoids as Python floats, not a tensor op each
             head = self.model.confidence_head
             w_state, table = self._derived("conf", (self.model.markov_in.weight, head.weight, head.bias),
                                            self._confidence_terms)
