@@ -239,6 +239,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     t.set_defaults(func=cmd_train_target)
 
+    from verispec.model.block import SEQUENTIAL_HEADS
     from verispec.train.block import BlockTrainConfig
     from verispec.train.losses import LOSSES
 
@@ -251,7 +252,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "with the Markov head and the confidence head")
     d.add_argument("--loss", default=None, choices=list(LOSSES),
                    help="block drafters' loss (default: dspark for --kind dspark, ce+decay for block)")
-    d.add_argument("--head", default=BlockTrainConfig.head, choices=["markov", "rnn"],
+    d.add_argument("--head", default=BlockTrainConfig.head, choices=list(SEQUENTIAL_HEADS),
                    help="dspark: the sequential head (markov: bias from the previous token; rnn: a gated state over "
                         "the drafted prefix, DSpark's option)")
     d.add_argument("--block-size", type=int, default=BlockTrainConfig.block_size)

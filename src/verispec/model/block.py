@@ -33,7 +33,8 @@ from verispec.kernels import native
 from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears
 from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
 
-HEADS = ("none", "markov", "rnn")  # the sequential heads: every head but "none"
+SEQUENTIAL_HEADS = ("markov", "rnn")  # DSpark's heads, drafted left to right
+HEADS = ("none", *SEQUENTIAL_HEADS)
 
 
 @dataclass(frozen=True)

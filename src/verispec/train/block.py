@@ -19,7 +19,7 @@ import torch
 
 from verispec.config import ModelConfig
 from verispec.model import load_model
-from verispec.model.block import BlockConfig, BlockDraftModel
+from verispec.model.block import SEQUENTIAL_HEADS, BlockConfig, BlockDraftModel
 from verispec.model.transformer import Transformer
 from verispec.train.checkpointing import load_state, save_state
 from verispec.train.losses import LOSSES, block_loss
@@ -56,8 +56,8 @@ class BlockTrainConfig:
             raise ValueError(f"target_dtype must be fp32 or bf16, got {self.target_dtype!r}")
         if self.kind not in ("block", "dspark"):
             raise ValueError(f"kind must be block or dspark, got {self.kind!r}")
-        if self.head not in ("markov", "rnn"):
-            raise ValueError(f"head must be markov or rnn, got {self.head!r}")
+        if self.head not in SEQUENTIAL_HEADS:
+            raise ValueError(f"head must be one of {SEQUENTIAL_HEADS}, got {self.head!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         object.__setattr__(self, "target_layers", tuple(self.target_layers))
