@@ -76,3 +76,27 @@ def test_method_labels_tell_specs_of_one_drafter_apart():
     assert got == {"ngram": "ngram", "dspark:zoo/dspark": "dspark (zoo/dspark)",
                    "dspark:zoo/dspark:full-vocab": "dspark (zoo/dspark:full-vocab)",
                    "lookup:dspark:zoo/dspark": "lookup:dspark"}
+
+
+def test_block_goal_counts_block_drafters_per_output_token():
+    """The block-drafter goal line: the best `block`/`dspark` record per code task (any policy, not a `lookup:`
+    wrapper) against 2.5x per output token and the `model` drafter; end to end reported beside it."""
+    from verispec.bench.report import block_goal_markdown
+
+    def rec(task, spec, method, decode, e2e):
+        return {"task": task, "spec": spec, "method": method, "k": 8, "decode_speedup_vs_plain": decode,
+                "speedup_vs_plain": e2e}
+
+    code = [rec("code_completion", "dspark:zoo/dspark", "dspark", 3.1, 2.1),
+            rec("code_continuation", "dspark:zoo/dspark", "dspark", 2.4, 1.8),
+            rec("code_continuation", "dspark:zoo/dspark", "dspark +dspark policy", 2.6, 1.9),
+            rec("code_continuation", "lookup:dspark:zoo/dspark", "lookup:dspark", 2.9, 2.0),  # not a block drafter
+            rec("code_completion", "model:zoo/drafter", "model", 1.3, 1.2)]
+    (line,) = block_goal_markdown(code)
+    assert "code_continuation 2.60x (dspark +dspark policy k=8)" in line and "2.90" not in line
+    assert "end to end code_completion 2.10x, code_continuation 1.90x" in line
+    assert "the `model` drafter code_completion 1.30x" in line and line.endswith(": met)")
+    assert block_goal_markdown(code[:2])[0].endswith(": not met)")  # continuation 2.4x < 2.5x
+    slower = code[:3] + [rec("code_completion", "model:zoo/drafter", "model", 3.5, 2.5)]
+    assert block_goal_markdown(slower)[0].endswith(": not met)")  # the model drafter ahead on one task
+    assert block_goal_markdown([code[4]]) == []  # no block drafter in the run: no line

