@@ -18,12 +18,17 @@ def _optional(r: dict, key: str, fmt: str) -> str:
     return fmt.format(r[key]) if key in r else "-"  # older results.json lack the prefill split
 
 
-def _best(records: list[dict], key: str) -> str:
-    best = defaultdict(lambda: (0.0, ""))
+def _best_per_task(records: list[dict], key: str) -> dict[str, tuple[float, str]]:
+    """{task: (the largest `key`, its method label)} over the records that have `key`."""
+    best: dict[str, tuple[float, str]] = {}
     for r in records:
-        if r[key] > best[r["task"]][0]:
+        if key in r and r[key] > best.get(r["task"], (0.0, ""))[0]:
             best[r["task"]] = (r[key], f"{r['method']} k={r['k']}")
-    return ", ".join(f"{t} {_fmt(s)}x ({m})" for t, (s, m) in best.items())
+    return best
+
+
+def _best(records: list[dict], key: str) -> str:
+    return ", ".join(f"{t} {_fmt(s)}x ({m})" for t, (s, m) in _best_per_task(records, key).items())
 
 
 def summary_markdown(report: dict) -> str:
@@ -103,11 +108,7 @@ def block_goal_markdown(code: list[dict]) -> list[str]:
     wrapper does not count) >= 2.5x plain per output token, above the `model` drafter. End to end alongside: the
     prompt's prefill, the same work for every method, stays in both times there."""
     def best(drafters: tuple[str, ...], key: str) -> dict[str, tuple[float, str]]:
-        out: dict[str, tuple[float, str]] = {}
-        for r in code:
-            if r["spec"].split(":")[0] in drafters and key in r and r[key] > out.get(r["task"], (0.0, ""))[0]:
-                out[r["task"]] = (r[key], f"{r['method']} k={r['k']}")
-        return out
+        return _best_per_task([r for r in code if r["spec"].split(":")[0] in drafters], key)
 
     decode, e2e = best(BLOCK_DRAFTERS, "decode_speedup_vs_plain"), best(BLOCK_DRAFTERS, "speedup_vs_plain")
     if not decode:
