@@ -1,4 +1,4 @@
-"""Packed CPU matmuls (verispec.model.packing, native or oneDNN packs): same results as F.linear, same state dict,
+"""Packed CPU matmuls (verispec.model.packing, native packs): same results as F.linear, same state dict,
 and a plain F.linear wherever a packed weight would be wrong (gradients, changed or moved weights, other dtypes).
 The native kernels themselves are tested in test_native."""
 
@@ -15,7 +15,7 @@ from verispec.model import Transformer, load_model, save_model
 from verispec.model.packing import PackedLinear, packing_supported
 
 needs_packing = pytest.mark.skipif(
-    not packing_supported(torch.zeros(1, 1)), reason="oneDNN weight packing is unavailable on this build"
+    not packing_supported(torch.zeros(1, 1)), reason="native kernels (weight packing) are unavailable here"
 )
 
 
@@ -152,7 +152,7 @@ def test_load_model_packs_unless_asked_not_to(tmp_path):
     save_model(plain, tmp_path / "m")
     assert load_model(tmp_path / "m").packed
     assert not load_model(tmp_path / "m", pack=False).packed
-    assert load_model(tmp_path / "m", dtype="bf16").packed == packing_supported(torch.zeros(1, dtype=torch.bfloat16))
+    assert load_model(tmp_path / "m", dtype="bf16").packed == packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16))
 
 
 @needs_packing

@@ -1,186 +1,286 @@
-/* Small-M matmuls for CPU inference with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+/* Small-M matmuls for CPU inference: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation.
  *
- * W is packed once into column groups of 16: wp[N16 / 16][K][16] (N16 = N rounded up to 16, pad rows zero), in
- * bf16 (raw uint16 bits) or fp32. Each output is accumulated by one fp32 FMA chain over k = 0..K-1, in that order,
- * and the bias is added last. Threads split the column groups, never K. So a row's result does not depend on how
- * many other rows are in the call, nor on the thread count: a verify step over 9 tokens computes, for each token,
- * exactly what a one-token decode step computes.
+ * One source, compiled once per instruction set (native.py builds each with its own flags; __AVX512F__ and
+ * __AVX512BF16__ pick the code below): AVX2 + FMA (8-wide), AVX-512F (16-wide) and AVX-512 BF16 (vdpbf16ps for
+ * bf16 inputs on bf16 weights). All three compute every output the same way, so they agree bit for bit:
  *
- * Rows are taken 6 at a time (12 accumulators: 6 rows x 2 vectors of 8 columns), all rows of a column group
- * before the next group, so the group's weights (K x 64 bytes at most) are read from memory once per call, and
- * prefetched ahead of the FMAs that use them.
+ *   acc = 0; for p in 0 .. K/2 - 1: acc = fma(x[2p+1], w[2p+1], acc); acc = fma(x[2p], w[2p], acc)
+ *
+ * then + bias, then the store (rounded to nearest even for a bf16 output). That order is vdpbf16ps's own (odd
+ * product, then even, each rounded; a product of two bf16 values is exact in fp32, measured equal to this chain on
+ * a Zen 4), so the BF16 path needs no other order. vdpbf16ps flushes denormal inputs and results to zero where an
+ * FMA keeps them: outputs of the BF16 path can differ from the others only where a value falls below 1.2e-38.
+ * Threads split column groups, never K, and a row's chain never depends on how many rows share the call, nor on
+ * the thread count: a verify step over 9 tokens computes, for each token, exactly what a one-token step does.
+ *
+ * Packed weights (pack() in native.py), in blocks of 16 output columns (N16 = N rounded up to 16, K2 = K/2
+ * rounded up, pad entries zero):
+ *   bf16: wp[N16 / 16][K2][16][2]  (a column's pair 2p, 2p+1 adjacent: vdpbf16ps's operand)
+ *   fp32: wp[N16 / 16][K2][2][16]  (k = 2p's 16 columns, then k = 2p+1's)
+ * Rows are taken in tiles (wide: up to 6 rows x 64 columns; tall, for 7-12 rows: 12 x 32 at 16 lanes, 12 x 8 at
+ * 8; AVX2's wide tiles are 6 x 16), all rows of a column group before the next, so a call streams each weight from memory once.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define COLS 8 /* columns per packed block: one AVX2 vector */
-#define MR_WIDE 6 /* rows of a two-block tile (12 accumulators) */
-#define MR_TALL 12 /* rows of a one-block tile (12 accumulators) */
-/* Software prefetch distance in the packed weights. A decode or verify step streams every weight from memory once
- * and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (shipped target, bf16, a 33-matmul
- * forward with its weights out of cache, 2-vCPU Zen 3: 5.0 -> 3.8 ms at 1 row, 11.2 -> 7.7 ms at 9 rows). A
- * prefetch never faults, so running past the end of the weights is harmless. */
+#if defined(__AVX512F__)
+#define VW 16 /* fp32 lanes per vector */
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero() _mm512_setzero_ps()
+#define vbcast(p) _mm512_set1_ps(*(p))
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vloadf(p) _mm512_loadu_ps(p)
+#define vstoref(p, v) _mm512_storeu_ps(p, v)
+#define vloadi(p) _mm512_loadu_si512((const void *)(p))
+#define v_odd(r) _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)))
+#define v_even(r) _mm512_castsi512_ps(_mm512_slli_epi32(r, 16))
+#else
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vzero() _mm256_setzero_ps()
+#define vbcast(p) _mm256_broadcast_ss(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vloadf(p) _mm256_loadu_ps(p)
+#define vstoref(p, v) _mm256_storeu_ps(p, v)
+#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
+#define v_odd(r) _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)))
+#define v_even(r) _mm256_castsi256_ps(_mm256_slli_epi32(r, 16))
+#endif
+
+#define BLOCK 16 /* columns per packed block */
+#define VPB (BLOCK / VW) /* vectors per block: 1 (AVX-512) or 2 (AVX2) */
+#define MR_WIDE 6
+#define MR_TALL 12
+#define NV_WIDE (VW == 16 ? 4 : 2) /* vectors per wide tile: 64 columns (AVX-512), 16 (AVX2) */
+#define NV_TALL (VW == 16 ? 2 : 1) /* vectors per tall tile */
+/* Software prefetch distance in each block's stream. A decode or verify step streams every weight from memory once
+ * and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (2-vCPU Zen 3, a 33-matmul
+ * bf16 forward out of cache: 5.0 -> 3.8 ms at 1 row). A prefetch never faults, so running past the end is harmless. */
 #define PREFETCH 2048
 
-static inline __m256 load_w_bf16(const void *w, int64_t i) {
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+/* fp32 -> bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar: the tiles' stores are few. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline __m256 load_w_f32(const void *w, int64_t i) { return _mm256_loadu_ps((const float *)w + i); }
-
-/* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN. */
-static inline __m128i to_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), nan));
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-/* Store columns [n0, n0 + 8) of one output row, clipped at N. */
-static inline void store8(void *y, int out_bf16, int64_t n0, int64_t N, __m256 v) {
-    if (n0 + COLS <= N) {
-        if (out_bf16)
-            _mm_storeu_si128((__m128i *)((uint16_t *)y + n0), to_bf16(v));
-        else
-            _mm256_storeu_ps((float *)y + n0, v);
-        return;
-    }
-    if (n0 >= N) return;
+/* Store columns [n0, n0 + VW) of one output row, clipped at N. */
+static inline void store_row(void *y, int out_bf16, int64_t n0, int64_t N, vf v) {
+    float tmp[VW];
+    vstoref(tmp, v);
+    const int64_t n = N - n0 < VW ? N - n0 : VW;
+    if (n <= 0) return;
     if (out_bf16) {
-        uint16_t tmp[COLS];
-        _mm_storeu_si128((__m128i *)tmp, to_bf16(v));
-        memcpy((uint16_t *)y + n0, tmp, (N - n0) * sizeof(uint16_t));
+        uint16_t *o = (uint16_t *)y + n0;
+        for (int64_t i = 0; i < n; i++) o[i] = to_bf16(tmp[i]);
+    } else if (n == VW) {
+        vstoref((float *)y + n0, v);
     } else {
-        float tmp[COLS];
-        _mm256_storeu_ps(tmp, v);
-        memcpy((float *)y + n0, tmp, (N - n0) * sizeof(float));
+        memcpy((float *)y + n0, tmp, (size_t)n * sizeof(float));
     }
 }
 
-/* `rows` x (8 * `blocks`) outputs. Both are compile-time constants at every call site (the switches below), so the
- * loops unroll and the accumulators stay in registers. x is the tile's rows interleaved, x[k * rows + m], so every
- * broadcast is one pointer plus a constant (12 row pointers would not fit in registers beside the accumulators).
- * w points at block n0 / 8; blocks are K * 8 apart. */
-#define TILE(NAME, LOAD, ESZ)                                                                                     \
-    static inline __attribute__((always_inline)) void NAME(                                                        \
-        const int rows, const int blocks, const float *x, int64_t K, const void *w, const float *bias, void *y,   \
-        int64_t N, int out_bf16, int64_t n0) {                                                                    \
-        __m256 acc[MR_TALL][2];                                                                                   \
-        _Pragma("GCC unroll 12") for (int m = 0; m < rows; m++)                                                   \
-            _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++) acc[m][b] = _mm256_setzero_ps();             \
-        for (int64_t k = 0; k < K; k++) {                                                                         \
-            if (k % (64 / (COLS * ESZ)) == 0) /* a line of each block's weights, PREFETCH bytes ahead */          \
-                _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++)                                          \
-                    _mm_prefetch((const char *)w + ((b * K + k) * COLS * ESZ + PREFETCH), _MM_HINT_T0);           \
-            __m256 wv[2];                                                                                         \
-            _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++) wv[b] = LOAD(w, (b * K + k) * COLS);         \
-            _Pragma("GCC unroll 12") for (int m = 0; m < rows; m++) {                                             \
-                __m256 xv = _mm256_broadcast_ss(x + k * rows + m);                                                \
-                _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++)                                          \
-                    acc[m][b] = _mm256_fmadd_ps(xv, wv[b], acc[m][b]);                                            \
+/* Where vector v of a tile starts, for pair 0: blocks are `bstride` bytes apart, a vector of an AVX2 block is the
+ * second half of its 16 columns (VW columns x 2 bf16, or VW floats further on). */
+#define WADDR(w, v, bstride, half_bytes) ((const char *)(w) + ((v) / VPB) * (bstride) + ((v) % VPB) * (half_bytes))
+
+/* One tile of R rows x NV vectors. x: this tile's rows interleaved by pair, x[(p * R + m) * 2 + e] = x[m, 2p + e]
+ * (one pointer plus constants for every broadcast). R and NV are constants at each call site (the INST functions
+ * below), so the loops unroll and the accumulators stay in registers. */
+#define FMA_TILE(NAME, WBF16)                                                                                      \
+    static inline __attribute__((always_inline)) void NAME(const int R, const int NV, const float *x, int64_t K2,  \
+                                                           const void *w, const float *bias, void *y, int64_t N,  \
+                                                           int out_bf16, int64_t n0) {                            \
+        const int64_t bstride = K2 * BLOCK * 2 * (WBF16 ? 2 : 4), pstride = BLOCK * 2 * (WBF16 ? 2 : 4);           \
+        const int64_t half = VW * 4; /* bf16 pairs or fp32: VW columns are VW * 4 bytes */                        \
+        vf acc[MR_TALL][NV_WIDE];                                                                                 \
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)                                                      \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] = vzero();                             \
+        for (int64_t p = 0; p < K2; p++) {                                                                        \
+            const float *xp = x + p * R * 2;                                                                      \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                                \
+                const char *wv = WADDR(w, v, bstride, half) + p * pstride;                                        \
+                if (v % VPB == 0) {                                                                               \
+                    _mm_prefetch(wv + PREFETCH, _MM_HINT_T0);                                                     \
+                    if (!WBF16) _mm_prefetch(wv + PREFETCH + 64, _MM_HINT_T0);                                    \
+                }                                                                                                 \
+                vf w1, w0;                                                                                        \
+                if (WBF16) {                                                                                      \
+                    const vi raw = vloadi(wv);                                                                    \
+                    w1 = v_odd(raw);                                                                              \
+                    w0 = v_even(raw);                                                                             \
+                } else {                                                                                          \
+                    w0 = vloadf((const float *)wv);                                                               \
+                    w1 = vloadf((const float *)(wv + BLOCK * 4));                                                 \
+                }                                                                                                 \
+                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)                                              \
+                    acc[m][v] = vfma(vbcast(xp + 2 * m + 1), w1, acc[m][v]);                                      \
+                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)                                              \
+                    acc[m][v] = vfma(vbcast(xp + 2 * m), w0, acc[m][v]);                                          \
             }                                                                                                     \
         }                                                                                                         \
-        size_t elt = out_bf16 ? 2 : 4;                                                                            \
-        _Pragma("GCC unroll 2") for (int b = 0; b < blocks; b++) {                                                \
-            __m256 bv = bias ? _mm256_loadu_ps(bias + n0 + b * COLS) : _mm256_setzero_ps();                       \
-            _Pragma("GCC unroll 12") for (int m = 0; m < rows; m++) {                                             \
-                __m256 v = bias ? _mm256_add_ps(acc[m][b], bv) : acc[m][b];                                       \
-                store8((char *)y + m * N * elt, out_bf16, n0 + b * COLS, N, v);                                   \
-            }                                                                                                     \
+        const size_t elt = out_bf16 ? 2 : 4;                                                                      \
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                                    \
+            const vf bv = bias ? vloadf(bias + n0 + v * VW) : vzero();                                            \
+            _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)                                                  \
+                store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias ? vadd(acc[m][v], bv) : acc[m][v]); \
         }                                                                                                         \
     }
 
-TILE(tile_bf16, load_w_bf16, 2)
-TILE(tile_f32, load_w_f32, 4)
+FMA_TILE(tile_fma_bf16, 1)
+FMA_TILE(tile_fma_f32, 0)
 
-/* One out-of-line function per (weight dtype, rows, blocks): compiled alone, each tile gets the whole register
- * file (inlined into the threaded loop, GCC spilled accumulators of the 9-12-row tiles, halving their speed). */
-#define INST(R, B)                                                                                                \
-    static __attribute__((noinline)) void bf16_##R##_##B(const float *x, int64_t K, const void *w,               \
-                                                         const float *bias, void *y, int64_t N, int ob, int64_t n0) { \
-        tile_bf16(R, B, x, K, w, bias, y, N, ob, n0);                                                             \
-    }                                                                                                             \
-    static __attribute__((noinline)) void f32_##R##_##B(const float *x, int64_t K, const void *w,                \
-                                                        const float *bias, void *y, int64_t N, int ob, int64_t n0) { \
-        tile_f32(R, B, x, K, w, bias, y, N, ob, n0);                                                              \
+#if defined(__AVX512BF16__)
+/* The same chain through vdpbf16ps: x as bf16 pairs, x[p * R + m] = bits of x[m, 2p] | x[m, 2p + 1] << 16. */
+static inline __attribute__((always_inline)) void tile_dp(const int R, const int NV, const uint32_t *x, int64_t K2,
+                                                          const void *w, const float *bias, void *y, int64_t N,
+                                                          int out_bf16, int64_t n0) {
+    const int64_t bstride = K2 * BLOCK * 4, pstride = BLOCK * 4;
+    __m512 acc[MR_TALL][NV_WIDE];
+    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K2; p++) {
+        const uint32_t *xp = x + p * R;
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+            const char *wv = (const char *)w + v * bstride + p * pstride;
+            _mm_prefetch(wv + PREFETCH, _MM_HINT_T0);
+            const __m512bh wb = (__m512bh)_mm512_loadu_si512((const void *)wv);
+            _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wb, (__m512bh)_mm512_set1_epi32((int)xp[m]));
+        }
     }
-INST(1, 2) INST(2, 2) INST(3, 2) INST(4, 2) INST(5, 2) INST(6, 2)
-INST(1, 1) INST(2, 1) INST(3, 1) INST(4, 1) INST(5, 1) INST(6, 1) INST(7, 1) INST(8, 1) INST(9, 1) INST(10, 1)
-INST(11, 1) INST(12, 1)
+    const size_t elt = out_bf16 ? 2 : 4;
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + v * VW) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+            store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias ? _mm512_add_ps(acc[m][v], bv) : acc[m][v]);
+    }
+}
+#endif
 
-#define CALL(P, R, B) P##_##R##_##B(xr, K, wb, bias, yr, N, out_bf16, n0)
-#define CASE(P, R, B) case R: CALL(P, R, B); break;
-#define WIDE_CASES(P) CASE(P, 1, 2) CASE(P, 2, 2) CASE(P, 3, 2) CASE(P, 4, 2) CASE(P, 5, 2) default: CALL(P, 6, 2);
-#define TALL_CASES(P) CASE(P, 1, 1) CASE(P, 2, 1) CASE(P, 3, 1) CASE(P, 4, 1) CASE(P, 5, 1) CASE(P, 6, 1) \
-    CASE(P, 7, 1) CASE(P, 8, 1) CASE(P, 9, 1) CASE(P, 10, 1) CASE(P, 11, 1) default: CALL(P, 12, 1);
+/* One out-of-line function per (kernel, rows, vectors): compiled alone, each tile gets the whole register file
+ * (inlined into the threaded loop, GCC spilled accumulators of the tall tiles, halving their speed). */
+typedef void (*tile_fn)(const void *x, int64_t K2, const void *w, const float *bias, void *y, int64_t N, int ob,
+                        int64_t n0);
+#define INST1(KIND, XT, R, NV)                                                                                     \
+    static __attribute__((noinline)) void KIND##_##R##_##NV(const void *x, int64_t K2, const void *w,              \
+                                                            const float *bias, void *y, int64_t N, int ob,         \
+                                                            int64_t n0) {                                          \
+        tile_##KIND(R, NV, (const XT *)x, K2, w, bias, y, N, ob, n0);                                              \
+    }
+#if VW == 16
+#define INST_WIDE(KIND, XT, R) INST1(KIND, XT, R, 1) INST1(KIND, XT, R, 2) INST1(KIND, XT, R, 3) INST1(KIND, XT, R, 4)
+#define INST_TALL(KIND, XT, R) INST1(KIND, XT, R, 1) INST1(KIND, XT, R, 2)
+#define ROW_WIDE(KIND, R) {KIND##_##R##_1, KIND##_##R##_2, KIND##_##R##_3, KIND##_##R##_4}
+#define ROW_TALL(KIND, R) {KIND##_##R##_1, KIND##_##R##_2, 0, 0}
+#else
+#define INST_WIDE(KIND, XT, R) INST1(KIND, XT, R, 2)
+#define INST_TALL(KIND, XT, R) INST1(KIND, XT, R, 1)
+#define ROW_WIDE(KIND, R) {0, KIND##_##R##_2}
+#define ROW_TALL(KIND, R) {KIND##_##R##_1, 0}
+#endif
+#define INST_ALL(KIND, XT)                                                                                         \
+    INST_WIDE(KIND, XT, 1) INST_WIDE(KIND, XT, 2) INST_WIDE(KIND, XT, 3) INST_WIDE(KIND, XT, 4)                    \
+    INST_WIDE(KIND, XT, 5) INST_WIDE(KIND, XT, 6) INST_TALL(KIND, XT, 7) INST_TALL(KIND, XT, 8)                    \
+    INST_TALL(KIND, XT, 9) INST_TALL(KIND, XT, 10) INST_TALL(KIND, XT, 11) INST_TALL(KIND, XT, 12)                 \
+    static const tile_fn KIND##_table[MR_TALL + 1][NV_WIDE] = {                                                     \
+        {0}, ROW_WIDE(KIND, 1), ROW_WIDE(KIND, 2), ROW_WIDE(KIND, 3), ROW_WIDE(KIND, 4), ROW_WIDE(KIND, 5),        \
+        ROW_WIDE(KIND, 6), ROW_TALL(KIND, 7), ROW_TALL(KIND, 8), ROW_TALL(KIND, 9), ROW_TALL(KIND, 10),            \
+        ROW_TALL(KIND, 11), ROW_TALL(KIND, 12)};
 
-/* x: [M, K] rows with stride ldx (elements), fp32 or bf16 (in_bf16); wp: packed weight [ceil(N / 16) * 2][K][8],
- * bf16 (w_bf16) or fp32; bias: fp32 [ceil(N / 16) * 16] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32.
+INST_ALL(fma_bf16, float)
+INST_ALL(fma_f32, float)
+#if defined(__AVX512BF16__)
+INST_ALL(dp, uint32_t)
+#endif
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* x: [M, K] rows with stride ldx (elements), fp32 or bf16 (in_bf16); wp: packed weight (see the top), bf16
+ * (w_bf16) or fp32; bias: fp32 [N16] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32.
  *
- * Up to 6 rows, each tile covers two blocks (16 columns; enough FMA chains in flight for a memory-bound step);
- * at 7-12 rows, one block and all rows, so a verify step of 7-12 tokens streams each weight once; past 12, two
- * blocks and 6 rows at a time.
- * Returns 0, or -1 if out of memory. */
+ * Up to 6 rows, wide tiles (enough FMA chains in flight for a memory-bound step); 7-12 rows, one pass of tall
+ * tiles, so a verify step streams each weight once; past 12, wide tiles 6 rows at a time (the weights of a column
+ * group are reread from cache, not memory). Either way each output is the same chain: the choice never changes a
+ * result. Returns 0, or -1 if out of memory. */
 int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
               const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     if (M <= 0 || N <= 0) return 0;
-    /* 7-12 rows: one pass of tall tiles. Otherwise wide tiles, 6 rows at a time: fewer loads per FMA, and past 12
-     * rows (a prefill) the weights of a column pair are reread from cache, not memory. Either way each output is
-     * the same FMA chain, so the choice never changes a result. */
     const int wide = M <= MR_WIDE || M > MR_TALL;
-    const int64_t per_unit = wide ? 2 : 1, mr = wide ? MR_WIDE : MR_TALL;
-    /* x in fp32, each chunk of mr rows interleaved: chunk c at xf + c * mr * K, element (m, k) at k * rows + m */
-    float *xf = (float *)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(float));
-    if (!xf) return -1;
+    const int64_t nv_unit = wide ? NV_WIDE : NV_TALL, mr = wide ? MR_WIDE : MR_TALL, K2 = (K + 1) / 2;
+#if defined(__AVX512BF16__)
+    const int dp = in_bf16 && w_bf16; /* bf16 x bf16: vdpbf16ps on x's own bits */
+#else
+    const int dp = 0;
+#endif
+    /* x rearranged per chunk of mr rows, chunk c at offset c * mr * K2 * 2 (in 4-byte units), interleaved by pair */
+    const size_t xunits = (size_t)(M * K2 * 2 > 0 ? M * K2 * 2 : 1);
+    void *xbuf = malloc(xunits * 4);
+    if (!xbuf) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += mr) {
         const int64_t rows = M - m0 < mr ? M - m0 : mr;
-        float *dst = xf + m0 * K;
         for (int64_t m = 0; m < rows; m++) {
-            if (in_bf16) {
-                const uint16_t *src = (const uint16_t *)x + (m0 + m) * ldx;
-                for (int64_t k = 0; k < K; k++) {
-                    const uint32_t bits = (uint32_t)src[k] << 16;
-                    memcpy(dst + k * rows + m, &bits, sizeof(float));
+            const char *src = (const char *)x + (size_t)(m0 + m) * ldx * (in_bf16 ? 2 : 4);
+            if (dp) {
+                uint32_t *dst = (uint32_t *)xbuf + m0 * K2;
+                const uint16_t *s = (const uint16_t *)src;
+                for (int64_t p = 0; p < K2; p++) {
+                    const uint32_t lo = s[2 * p], hi = 2 * p + 1 < K ? s[2 * p + 1] : 0;
+                    dst[p * rows + m] = lo | hi << 16;
                 }
             } else {
-                const float *src = (const float *)x + (m0 + m) * ldx;
-                for (int64_t k = 0; k < K; k++) dst[k * rows + m] = src[k];
+                float *dst = (float *)xbuf + m0 * K2 * 2;
+                for (int64_t k = 0; k < 2 * K2; k++) {
+                    float v = 0.0f;
+                    if (k < K) v = in_bf16 ? bf16_value(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+                    dst[((k / 2) * rows + m) * 2 + (k % 2)] = v;
+                }
             }
         }
     }
-    const int64_t units = ((N + 15) / 16) * 2 / per_unit;
-    const size_t welt = w_bf16 ? 2 : 4, yelt = out_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
+    const size_t bbytes = (size_t)K2 * BLOCK * 2 * (w_bf16 ? 2 : 4), yelt = out_bf16 ? 2 : 4;
+    const size_t half = VW * 4; /* bytes from a block's start to its second AVX2 half, bf16 pairs or fp32 */
+    const tile_fn(*table)[NV_WIDE] = dp ? 0 : (w_bf16 ? fma_bf16_table : fma_f32_table);
+#if defined(__AVX512BF16__)
+    if (dp) table = dp_table;
+#endif
+    const size_t xunit = dp ? 1 : 2; /* 4-byte units per (row, pair) of x */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
-        const int64_t n0 = u * per_unit * COLS;
-        const void *wb = (const char *)wp + (size_t)(u * per_unit) * K * COLS * welt;
+        const int64_t v0 = u * nv_unit, nv = nvec - v0 < nv_unit ? nvec - v0 : nv_unit;
+        const int64_t n0 = v0 * VW;
+        const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bbytes + (size_t)(v0 % VPB) * half;
         for (int64_t m0 = 0; m0 < M; m0 += mr) {
             const int rows = (int)(M - m0 < mr ? M - m0 : mr);
-            const float *xr = xf + m0 * K;
-            void *yr = (char *)y + (size_t)m0 * N * yelt;
-            if (wide && w_bf16) {
-                switch (rows) { WIDE_CASES(bf16) }
-            } else if (wide) {
-                switch (rows) { WIDE_CASES(f32) }
-            } else if (w_bf16) {
-                switch (rows) { TALL_CASES(bf16) }
-            } else {
-                switch (rows) { TALL_CASES(f32) }
-            }
+            const void *xr = (const uint32_t *)xbuf + (size_t)m0 * K2 * xunit;
+            table[rows][nv - 1](xr, K2, wb, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, n0);
         }
     }
-    free(xf);
+    free(xbuf);
     return 0;
 }
 
-/* 1 when this CPU runs the kernels above (AVX2 and FMA), else 0. */
-int vs_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+/* The instruction set this build was compiled for: 1 AVX2 + FMA, 2 AVX-512F, 3 AVX-512 BF16. */
+int vs_isa(void) {
+#if defined(__AVX512BF16__)
+    return 3;
+#elif defined(__AVX512F__)
+    return 2;
+#else
+    return 1;
+#endif
 }

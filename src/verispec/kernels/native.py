@@ -1,15 +1,24 @@
 """verispec's own CPU kernels, compiled on first use and called through ctypes: the matmul of inference
 (`gemm.c`), attention of a few queries over a KV cache (`attention.c`), the greedy DSpark head loop
-(`markov.c`), a block drafter's layer in one call (`blocklayer.c`, built on the first two) and the greedy argmax
-of logits (`argmax.c`). The matmul and attention compute a row (a token, a query) in one fixed order whatever else
-is in the call, so a verify step over 9 tokens gives each token what a one-token step gives it.
+(`markov.c`), a block drafter's layer in one call (`blocklayer.c`), the target's whole forward in one call
+(`decoder.c`) and the greedy argmax of logits (`argmax.c`). The matmul and attention compute a row (a token, a
+query) in one fixed order whatever else is in the call, so a verify step over 9 tokens gives each token what a
+one-token step gives it.
+
+The sources are built once per instruction set (ISAS: AVX2 + FMA; AVX-512F; AVX-512 BF16, whose vdpbf16ps
+takes bf16 inputs on bf16 weights) and the best one this CPU runs is chosen at run time (`VERISPEC_KERNELS=avx2`
+or another name forces one; `use()` switches within a process). All of them give the same results bit for bit
+(gemm.c says why), so the choice changes speed, never tokens. CPUs with AMX also have AVX-512 BF16 and take that
+path: no AMX tile code ships, as neither CPU this project runs on has AMX to test it.
 
 The kernels are plain C files built with the system C compiler (`$CC`, else `cc`) into the user cache, one
-shared library per source hash; no torch headers, so a build takes about a second. It links OpenMP by its soname,
-which resolves to the libgomp torch has already loaded: the kernel and torch share one thread pool instead of
-two pools spinning against each other. Where it cannot be used (no AVX2/FMA, no compiler, a failed build,
-`VERISPEC_NATIVE=0`) `library()` returns None once and for all, with one warning naming the cause, and callers
-keep torch's matmuls.
+shared library per source hash and instruction set; no torch headers, so a build takes seconds. It links OpenMP by
+its soname, which resolves to the libgomp torch has already loaded: the kernels and torch share one thread pool.
+Where they cannot be used (no AVX2/FMA, no compiler, a failed build, `VERISPEC_NATIVE=0`) `library()` returns None
+once and for all, with one warning naming the cause and what exactness then means, and callers keep torch.
+
+Every wrapper checks what it hands to C (device, dtype, contiguity, shapes against the packed weight) and raises
+ValueError on a mismatch: a wrong pointer here is a read past the end of a buffer, not an exception.
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,27 +41,43 @@ import torch
 from verispec.paths import user_cache
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "argmax.c"))
-COLS = 8  # columns per packed block (one AVX2 vector of fp32)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+                for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "decoder.c", "argmax.c"))
+PROBE = Path(__file__).with_name("cpu.c")
+BLOCK = 16  # output columns per packed block (gemm.c)
+# Instruction sets, slowest first, with their compiler flags and the CPU features they need (cpu.c's bits).
+ISAS = ("avx2", "avx512", "avx512bf16")
+_ISA_FLAGS = {
+    "avx2": ("-mavx2", "-mfma"),
+    "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx512bf16": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+}
+_ISA_NEEDS = {"avx2": 0b11, "avx512": 0b111111, "avx512bf16": 0b1111111}
+# -ffp-contract=off: a*b + c stays two roundings in every build, as torch computes it, so no build fuses what
+# another does not.
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+FALLBACK_NOTE = ("matmuls and attention fall back to torch, whose result for a row can depend on how many rows "
+                 "share the call: speculative output still follows the target, but greedy bf16 (rarely fp32) "
+                 "speculation can differ from plain decoding where two tokens nearly tie")
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded library or None, once decided
+_lock = threading.RLock()
+_state: dict[str, object] = {}  # "lib": the active library or None, once decided; "features": cpu.c's bits
+_libs: dict[str, ctypes.CDLL] = {}  # every variant loaded so far, by ISA
 
 
-def _cpu_ok() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def _build(out: Path) -> None:
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
+    return cc
+
+
+def _build(out: Path, sources: tuple[Path, ...], flags: tuple[str, ...]) -> None:
+    cc = _compiler()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
         os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new one, never half of one
@@ -58,55 +86,107 @@ def _build(out: Path) -> None:
             os.unlink(tmp)
 
 
-def _load() -> ctypes.CDLL | None:
-    if os.environ.get("VERISPEC_NATIVE", "1") == "0":
-        return None
-    if not _cpu_ok():
-        return None
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = user_cache("kernels") / f"verispec-{digest}.so"
-    try:
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
-        warnings.warn(f"verispec: native matmul kernel unavailable ({e}); using torch's matmuls", stacklevel=3)
-        return None
-    f = lib.vs_linear
-    f.restype = ctypes.c_int
-    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ptr, cint, i64, i64, i64, ptr, cint, ptr, i64, ptr, cint, cint]
-    a = lib.vs_attention
-    a.restype = ctypes.c_int
-    a.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64,
-                  ctypes.c_float, cint]
-    g = lib.vs_markov_greedy
-    g.restype = ctypes.c_int
-    g.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]
-    m = lib.vs_argmax
-    m.restype = cint
-    m.argtypes = [ptr, cint, i64, i64, i64, ptr]
-    r = lib.vs_rmsnorm
-    r.restype = None
-    r.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
-    b = lib.vs_block_layer
-    b.restype = ctypes.c_int
-    b.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, cint, ptr, cint, ptr, cint,
-                  ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint]
+def _shared_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
+    path = user_cache("kernels") / f"verispec-{name}-{digest}.so"
+    if not path.exists():
+        _build(path, sources, flags)
+    return ctypes.CDLL(str(path))
+
+
+def cpu_features() -> set[str]:
+    """The instruction sets of ISAS this CPU (and its OS) runs, from cpu.c's probe (built without ISA flags)."""
+    if "features" not in _state:
+        lib = _shared_library("probe", (PROBE,), ("-O1", "-fPIC", "-shared"))
+        lib.vs_cpu_features.restype = ctypes.c_int
+        _state["features"] = lib.vs_cpu_features()
+    bits = int(_state["features"])  # type: ignore[arg-type]
+    return {isa for isa in ISAS if bits & _ISA_NEEDS[isa] == _ISA_NEEDS[isa]}
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, cint, flt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    sigs = {
+        "vs_linear": (cint, [ptr, cint, i64, i64, i64, ptr, cint, ptr, i64, ptr, cint, cint]),
+        "vs_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr,
+                                i64, flt, cint]),
+        "vs_markov_greedy": (cint, [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]),
+        "vs_argmax": (cint, [ptr, cint, i64, i64, i64, ptr]),
+        "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
+        "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, cint, ptr, cint, ptr, cint,
+                                  ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint]),
+        "vs_decoder_forward": (cint, [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint]),
+        "vs_isa": (cint, []),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
     return lib
 
 
+def load_isa(isa: str) -> ctypes.CDLL:
+    """The kernel library built for one instruction set (ISAS), built on first use; raises RuntimeError where
+    this CPU lacks it or the build fails."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel instruction set {isa!r} (choose from {', '.join(ISAS)})")
+    with _lock:
+        if isa not in _libs:
+            if isa not in cpu_features():
+                raise RuntimeError(f"this CPU does not run the {isa} kernels")
+            _libs[isa] = _declare(_shared_library(isa, SOURCES, (*FLAGS, *_ISA_FLAGS[isa])))
+        return _libs[isa]
+
+
+def _load() -> ctypes.CDLL | None:
+    choice = os.environ.get("VERISPEC_KERNELS", "auto")
+    if os.environ.get("VERISPEC_NATIVE", "1") == "0" or choice == "off":
+        return None
+    try:
+        runnable = [isa for isa in ISAS if isa in cpu_features()]
+        if not runnable:
+            warnings.warn(f"verispec: this CPU has no AVX2 + FMA, so no native kernels: {FALLBACK_NOTE}",
+                          stacklevel=3)
+            return None
+        if choice != "auto" and choice not in runnable:
+            raise RuntimeError(f"VERISPEC_KERNELS={choice} is not one of this CPU's {', '.join(runnable)}")
+        return load_isa(runnable[-1] if choice == "auto" else choice)
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"verispec: native kernels unavailable ({e}): {FALLBACK_NOTE}", stacklevel=3)
+        return None
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it cannot be used (decided once per process)."""
+    """The active kernel library, or None where the kernels cannot be used (decided once per process)."""
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
+                _state["lib"] = None  # a failing _load must not be retried
                 _state["lib"] = _load()
     return _state["lib"]  # type: ignore[return-value]
 
 
 def available() -> bool:
     return library() is not None
+
+
+def isa() -> str | None:
+    """The instruction set of the active kernels (one of ISAS), or None without them."""
+    lib = library()
+    return None if lib is None else ISAS[lib.vs_isa() - 1]
+
+
+@contextmanager
+def use(name: str) -> Iterator[None]:
+    """Run the kernels of one instruction set inside the block (process-wide: tests compare paths with it)."""
+    lib = load_isa(name)
+    previous = library()
+    if previous is None:
+        raise RuntimeError("native kernels are disabled in this process")
+    _state["lib"] = lib
+    try:
+        yield
+    finally:
+        _state["lib"] = previous
 
 
 def _required() -> ctypes.CDLL:
@@ -116,32 +196,69 @@ def _required() -> ctypes.CDLL:
     return lib
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16) * 2, K, 8], same dtype
-    """The kernel's layout: blocks of 8 output columns, each block's K rows of 8 contiguous, N padded to 16."""
+def _cpu(t: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    if t.device.type != "cpu" or t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"native {what}: expected a CPU {names} tensor, got {t.dtype} on {t.device}")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight [n, k] in gemm.c's layout: bf16 [n16 / 16, k2, 16, 2] or fp32 [n16 / 16, k2, 2, 16]."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def bf16(self) -> bool:
+        return self.data.dtype == torch.bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def pack(weight: torch.Tensor) -> Packed:  # [N, K] fp32 or bf16 -> Packed, same dtype
+    """gemm.c's layout: blocks of 16 output columns, a column's inputs in pairs (2p, 2p + 1), zero padded."""
+    _cpu(weight, "pack", (torch.float32, torch.bfloat16))
+    if weight.dim() != 2:
+        raise ValueError(f"native pack: expected a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    n16 = -(-n // 16) * 16
-    padded = weight.new_zeros(n16, k)
-    padded[:n] = weight
-    return padded.view(n16 // COLS, COLS, k).transpose(1, 2).contiguous()
+    n16, k2 = -(-n // BLOCK) * BLOCK, -(-k // 2)
+    padded = weight.detach().new_zeros(n16, 2 * k2)
+    padded[:n, :k] = weight.detach()
+    blocks = padded.view(n16 // BLOCK, BLOCK, k2, 2)  # [b, j, p, e]
+    order = (0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)  # [b, p, j, e] or [b, p, e, j]
+    return Packed(blocks.permute(*order).contiguous(), n, k)
 
 
 def pad_bias(bias: torch.Tensor) -> torch.Tensor:  # [N] -> fp32 [ceil(N / 16) * 16]
-    n16 = -(-bias.shape[0] // 16) * 16
-    out = torch.zeros(n16, dtype=torch.float32)
-    out[: bias.shape[0]] = bias.float()
+    out = torch.zeros(-(-bias.shape[0] // BLOCK) * BLOCK, dtype=torch.float32)
+    out[: bias.shape[0]] = bias.detach().float()
     return out
 
 
+def _check_bias(bias: torch.Tensor | None, n: int, what: str) -> None:
+    if bias is not None:
+        _cpu(bias, what)
+        if not bias.is_contiguous() or bias.numel() != -(-n // BLOCK) * BLOCK:
+            raise ValueError(f"native {what}: the bias must be pad_bias() of an [{n}] bias")
+
+
 def linear(
-    x: torch.Tensor,  # [..., K] fp32 or bf16, CPU, last dim contiguous
-    packed: torch.Tensor,  # pack(weight), fp32 or bf16
-    n: int,  # output features
+    x: torch.Tensor,  # [..., K] fp32 or bf16, CPU
+    packed: Packed,  # pack(weight [N, K]), fp32 or bf16
     bias: torch.Tensor | None = None,  # pad_bias(b)
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """y = x @ W^T (+ b) with fp32 accumulation. Each output row is computed in one fixed order whatever the
     number of rows or threads (see gemm.c), so a row's result never depends on the rest of the batch."""
     lib = _required()
-    k = x.shape[-1]
+    _cpu(x, "linear", (torch.float32, torch.bfloat16))
+    k, n = packed.k, packed.n
+    if x.shape[-1] != k:
+        raise ValueError(f"native linear: input has {x.shape[-1]} features, the packed weight takes {k}")
+    _check_bias(bias, n, "linear")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
@@ -149,7 +266,7 @@ def linear(
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     bf16 = torch.bfloat16
     rc = lib.vs_linear(
-        x2.data_ptr(), x.dtype == bf16, m, k, x2.stride(0) if m > 1 else k, packed.data_ptr(), packed.dtype == bf16,
+        x2.data_ptr(), x.dtype == bf16, m, k, x2.stride(0) if m > 1 else k, packed.data.data_ptr(), packed.bf16,
         None if bias is None else bias.data_ptr(), n, y.data_ptr(), x.dtype == bf16, torch.get_num_threads(),
     )
     if rc != 0:
@@ -160,6 +277,9 @@ def linear(
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] fp32 or bf16, CPU, last dim contiguous -> [R] int64
     """torch.argmax(x, dim=-1) by the same rule (first maximum; a NaN wins), vectorised (see argmax.c)."""
     lib = _required()
+    _cpu(x, "argmax", (torch.float32, torch.bfloat16))
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"native argmax: expected [rows, cols] with cols > 0, got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
@@ -176,6 +296,8 @@ def markov_greedy(
 ) -> list[int]:  # span token ids
     """Greedy drafts of DSpark's Markov head: x_j = argmax(U_j + W2 W1[x_{j-1}]), x_0 = anchor (see markov.c)."""
     lib = _required()
+    for t in (base, w1, w2t):
+        _cpu(t, "markov_greedy")
     span, cols = base.shape
     full, rank = w1.shape
     if vocab is None and cols != full:
@@ -219,8 +341,13 @@ def attention(
 ) -> torch.Tensor:  # [B, H, T, D], a view of a contiguous [B, T, H, D]
     """softmax(q k^T / sqrt(D)) v with grouped-query heads (H / Hkv queries per key/value head), fp32."""
     lib = _required()
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or not attention_supported(q, k, v):
+        raise ValueError("native attention: q [B, H, T, D], k and v [B, Hkv, S, D] in one layout, CPU fp32, rows "
+                         "contiguous, D a multiple of 8 up to 256, no gradient")
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
+    if k.shape[0] != b or k.shape[3] != d or h % hkv or (causal and t > s):
+        raise ValueError(f"native attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)} (causal={causal})")
     out = torch.empty(b, t, h, d, dtype=torch.float32)
     rc = lib.vs_attention(
         q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(), hkv, s,
@@ -237,7 +364,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: 
     order), in one call (blocklayer.c)."""
     lib = _required()
     d = x.shape[-1]
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (d,):
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (d,)
+            or x.device.type != "cpu" or weight.device.type != "cpu"):
         raise ValueError("native rmsnorm: fp32 x [..., d] and fp32 weight [d] expected")
     x = x.contiguous()
     w = weight.detach().contiguous()
@@ -251,7 +379,7 @@ def block_layer(
     ctx: torch.Tensor | None,  # [n, d] fp32 contiguous context features (written to the cache first), or None
     norms: tuple[torch.Tensor, ...],  # fp32 input_layernorm [d], post_attention_layernorm [d], q_norm [D], k_norm [D]
     eps: float,
-    weights: tuple[torch.Tensor, ...],  # pack()ed qkv, o_proj, gate_up, down_proj (bf16 or fp32 each)
+    weights: tuple[Packed, ...],  # pack()ed qkv, o_proj, gate_up, down_proj (bf16 or fp32 each)
     dims: tuple[int, int, int, int],  # H, Hkv, D, F (the MLP's intermediate size)
     rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [n + G, D] for the rows' positions, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # this layer's cache k, v [Hkv, S_max, D] fp32, rows contiguous
@@ -265,17 +393,164 @@ def block_layer(
     k, v = kv
     cos, sin = rope
     dense = [x, *norms, cos, sin] + ([] if ctx is None else [ctx])
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in dense) or cos.shape != (n + g, hd):
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in dense) \
+            or cos.shape != (n + g, hd) or sin.shape != cos.shape or (ctx is not None and ctx.shape[1] != d):
         raise ValueError("native block layer: x, ctx, norms and rope tables must be contiguous fp32, rope [n + G, D]")
-    if k.stride() != v.stride() or k.stride(-1) != 1 or start + n + g > k.shape[1]:
+    if tuple(t.shape for t in norms) != ((d,), (d,), (hd,), (hd,)):
+        raise ValueError("native block layer: norms must be [d], [d], [D], [D]")
+    for t in (k, v):
+        _cpu(t, "block layer cache")
+    if (k.stride() != v.stride() or k.shape != v.shape or k.dim() != 3 or k.shape[0] != hkv or k.shape[2] != hd
+            or k.stride(-1) != 1 or k.stride(1) < hd or start < 0 or start + n + g > k.shape[1]):
         raise ValueError("native block layer: the cache rows do not fit or k and v differ in layout")
     wq, wo, wgu, wd = weights
-    bf16 = torch.bfloat16
+    want = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * ffn), (ffn, d))
+    if tuple((p.k, p.n) for p in weights) != want:
+        raise ValueError(f"native block layer: packed weights (in, out) {[(p.k, p.n) for p in weights]}, "
+                         f"expected {list(want)}")
     rc = lib.vs_block_layer(
         x.data_ptr(), g, d, None if ctx is None else ctx.data_ptr(), n, *(t.data_ptr() for t in norms), eps,
-        wq.data_ptr(), wq.dtype == bf16, wo.data_ptr(), wo.dtype == bf16, wgu.data_ptr(), wgu.dtype == bf16,
-        wd.data_ptr(), wd.dtype == bf16, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
+        wq.data.data_ptr(), wq.bf16, wo.data.data_ptr(), wo.bf16, wgu.data.data_ptr(), wgu.bf16,
+        wd.data.data_ptr(), wd.bf16, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
         v.data_ptr(), k.stride(0), k.stride(1), start, torch.get_num_threads(),
     )
     if rc != 0:
         raise ValueError(f"native block layer failed ({rc})")
+
+
+# ---- the target's forward in one call (decoder.c) -----------------------------------------------------------------
+
+class LayerDesc(ctypes.Structure):  # decoder.c's vs_layer
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("qkv_bf16", ctypes.c_int32), ("o_bf16", ctypes.c_int32),
+                ("gate_up_bf16", ctypes.c_int32), ("down_bf16", ctypes.c_int32), ("qkv_bias", ctypes.c_void_p),
+                ("o_bias", ctypes.c_void_p), ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+
+
+class ModelDesc(ctypes.Structure):  # decoder.c's vs_model
+    _fields_ = [(name, ctypes.c_int64) for name in ("layers", "d", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                                                     "max_pos")] + [
+        ("eps", ctypes.c_float), ("act_bf16", ctypes.c_int32), ("embed", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("lm_head_bf16", ctypes.c_int32),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layer", ctypes.POINTER(LayerDesc))]
+
+
+class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
+    _fields_ = [("rows", ctypes.c_int64), ("cached", ctypes.c_int64), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("capacity", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    qkv: Packed  # [(H + 2 Hkv) D, d]
+    o: Packed  # [d, H D]
+    gate_up: Packed  # [2 F, d]
+    down: Packed  # [d, F]
+    ln1: torch.Tensor  # fp32 [d]
+    ln2: torch.Tensor  # fp32 [d]
+    qkv_bias: torch.Tensor | None = None  # pad_bias()ed
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # fp32 [D], both or neither
+    k_norm: torch.Tensor | None = None
+
+
+class Decoder:
+    """A decoder's weights described for decoder.c, checked once here (dtypes, devices, contiguity, every packed
+    shape against the dimensions); keeps a reference to every tensor it points at."""
+
+    def __init__(self, dims: tuple[int, int, int, int, int, int], eps: float, embed: torch.Tensor,
+                 layers: list[DecoderLayerWeights], final_norm: torch.Tensor, lm_head: Packed,
+                 rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        d, h, hkv, hd, ffn, vocab = dims
+        cos, sin = rope
+        _cpu(embed, "decoder embedding", (torch.float32, torch.bfloat16))
+        if embed.shape != (vocab, d) or not embed.is_contiguous():
+            raise ValueError(f"native decoder: embedding must be a contiguous [{vocab}, {d}]")
+        if h % hkv or hd % 8 or hd > 256 or not layers:
+            raise ValueError(f"native decoder: unsupported heads {h}/{hkv} or head_dim {hd}")
+        for t in (final_norm, cos, sin):
+            _cpu(t, "decoder norm/rope")
+        if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != hd or not (cos.is_contiguous()
+                                                                                 and sin.is_contiguous()):
+            raise ValueError(f"native decoder: rope tables must be contiguous fp32 [positions, {hd}]")
+        shapes = {"qkv": (d, (h + 2 * hkv) * hd), "o": (h * hd, d), "gate_up": (d, 2 * ffn), "down": (ffn, d)}
+        descs = []
+        for i, lw in enumerate(layers):
+            for name, want in shapes.items():
+                p = getattr(lw, name)
+                if (p.k, p.n) != want:
+                    raise ValueError(f"native decoder: layer {i} {name} takes (in, out) {(p.k, p.n)}, expected {want}")
+            _check_bias(lw.qkv_bias, shapes["qkv"][1], "decoder qkv bias")
+            _check_bias(lw.o_bias, d, "decoder o bias")
+            norms = [(lw.ln1, d), (lw.ln2, d)] + [(t, hd) for t in (lw.q_norm, lw.k_norm) if t is not None]
+            if (lw.q_norm is None) != (lw.k_norm is None) or any(
+                    t.dtype != torch.float32 or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous()
+                    for t, n in norms):
+                raise ValueError(f"native decoder: layer {i} norms must be contiguous fp32 [d] (and [D] for q/k)")
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            descs.append(LayerDesc(lw.qkv.data.data_ptr(), lw.o.data.data_ptr(), lw.gate_up.data.data_ptr(),
+                                   lw.down.data.data_ptr(), lw.qkv.bf16, lw.o.bf16, lw.gate_up.bf16, lw.down.bf16,
+                                   ptr(lw.qkv_bias), ptr(lw.o_bias), ptr(lw.ln1), ptr(lw.ln2), ptr(lw.q_norm),
+                                   ptr(lw.k_norm)))
+        if final_norm.shape != (d,) or (lm_head.k, lm_head.n) != (d, vocab):
+            raise ValueError("native decoder: final norm [d] and LM head [vocab, d] expected")
+        self._keep = (embed, layers, final_norm, lm_head, cos, sin)
+        self._layers = (LayerDesc * len(descs))(*descs)
+        self.desc = ModelDesc(len(layers), d, h, hkv, hd, ffn, vocab, cos.shape[0], eps,
+                              embed.dtype == torch.bfloat16, embed.data_ptr(), final_norm.data_ptr(),
+                              lm_head.data.data_ptr(), lm_head.bf16, cos.data_ptr(), sin.data_ptr(), self._layers)
+        self.dtype = embed.dtype
+        self.num_layers, self.kv_heads, self.head_dim, self.vocab, self.d = len(layers), hkv, hd, vocab, d
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [N] int64: every sequence's new tokens, back to back
+        caches: list[tuple[torch.Tensor, torch.Tensor, int, int]],  # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows
+        logit_rows: torch.Tensor,  # [M] int64 rows of `tokens` that need logits
+        hidden_layers: tuple[int, ...] = (),  # 0 = the embedding, l = decoder layer l's output
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}, in the model's dtype
+        """Every sequence's rows after its cache's `cached` entries, written to the cache (the caller commits)."""
+        lib = _required()
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous() or tokens.device.type != "cpu":
+            raise ValueError("native decoder: tokens must be a contiguous CPU int64 [N]")
+        n = tokens.shape[0]
+        if n and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab):
+            raise ValueError(f"native decoder: token ids must lie in [0, {self.vocab})")
+        if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous() or (
+                logit_rows.numel() and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= n)):
+            raise ValueError(f"native decoder: logit rows must be contiguous int64 in [0, {n})")
+        seqs = (SeqDesc * max(1, len(caches)))()
+        rows = 0
+        shape = (self.num_layers, self.kv_heads)
+        for i, (k, v, cached, count) in enumerate(caches):
+            for t in (k, v):
+                _cpu(t, "decoder cache")
+            if (k.shape != v.shape or k.stride() != v.stride() or tuple(k.shape[:2]) != shape
+                    or k.shape[3] != self.head_dim or k.stride(3) != 1 or k.stride(2) != self.head_dim):
+                raise ValueError(f"native decoder: cache {i} must be fp32 [{shape[0]}, {shape[1]}, S, "
+                                 f"{self.head_dim}] with contiguous rows, k and v in one layout")
+            if cached < 0 or count < 0 or cached + count > k.shape[2]:
+                raise ValueError(f"KV cache overflow: {cached + count} positions > capacity {k.shape[2]}")
+            if cached + count > self.desc.max_pos:
+                raise ValueError(f"native decoder: position {cached + count - 1} past the RoPE table")
+            seqs[i] = SeqDesc(count, cached, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2])
+            rows += count
+        if rows != n:
+            raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")
+        hidden = {layer: torch.empty(n, self.d, dtype=self.dtype) for layer in hidden_layers}
+        if any(not 0 <= layer <= self.num_layers for layer in hidden):
+            raise ValueError(f"native decoder: hidden layers lie in [0, {self.num_layers}]")
+        outs = (ctypes.c_void_p * (self.num_layers + 1))(
+            *(hidden[i].data_ptr() if i in hidden else None for i in range(self.num_layers + 1)))
+        logits = torch.empty(logit_rows.numel(), self.vocab, dtype=self.dtype)
+        if n == 0:
+            return logits, hidden
+        rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), n, seqs, len(caches), outs,
+                                    logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
+                                    torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("native decoder: out of memory")
+        if rc != 0:
+            raise ValueError(f"native decoder failed ({rc})")
+        return logits, hidden

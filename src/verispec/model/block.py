@@ -121,7 +121,7 @@ class _BlockLayer(nn.Module):
                  (self.mlp.down_proj.weight, getattr(self.mlp.down_proj, "packed", None)))
         if x.dtype != torch.float32 or self.head_dim > 512 or self.head_dim % 8:
             return None
-        if any(p is None or w is None or p.kind != "native" or not p.usable(w, x) for w, p in pairs):
+        if any(p is None or w is None or not p.usable(w, x) for w, p in pairs):
             return None
         return tuple(p.packed for _, p in pairs)
 

@@ -1,27 +1,16 @@
-"""Inference matmuls on CPU through weights packed once at load.
+"""Inference matmuls on CPU through weights packed once at load, for verispec's own kernels.
 
-A plain `F.linear` re-packs the weight on every call, and on a CPU without native bf16 its bf16 matmul is linear in
-rows. At the few rows of a decode or verify step that is most of a forward's cost. Two packed paths, chosen per
-weight when it is packed:
+A plain `F.linear` re-packs the weight on every call, and its result for a row depends on how many rows share the
+call (oneDNN and MKL pick kernels by shape): a verify step would not compute what one-token steps compute. Where
+verispec.kernels.native runs (CPUs with AVX2 + FMA), each weight is packed once into gemm.c's layout in its own
+dtype (fp32 or bf16, fp32 accumulation; an fp32 weight that holds bf16 values, as a bf16 checkpoint loaded in fp32
+does, is packed in bf16: the same results from half the bytes). Every row is then computed in one fixed order
+whatever the row count, on every instruction set the kernels are built for.
 
-- `native` (CPUs with AVX2 + FMA, where verispec.kernels.native builds): verispec's own kernel over a blocked
-  copy of the weight in its own dtype (fp32 or bf16, fp32 accumulation; an fp32 weight that holds bf16 values,
-  as a bf16 checkpoint loaded in fp32 does, is packed in bf16: the same results from half the bytes). Every row
-  is computed in one fixed order whatever the row count, so a verify step gives each token the matmul results a
-  one-token step gives it. The shipped target's matmuls in bf16 on a 2-vCPU AVX2 machine take 3.8 /
-  7.3 / 11.2 ms at 1 / 9 / 16 rows in one run (the VM's speed moves between runs): 1.6-2.5x faster than oneDNN's
-  packs, 1.2x faster than bf16 `F.linear` at one row and far more above (`python scripts/kernel_cost.py`;
-  reports/bench-block).
-- `onednn` (elsewhere, where oneDNN packs): the weight packed into oneDNN's blocked layout. For bf16 on a CPU
-  without native bf16 (oneDNN cannot pack bf16 there) the pack is the weight's exact fp32 upcast, used from
-  BF16_MIN_ROWS rows with the input upcast and the output rounded back to bf16 (a bf16 matmul in another summation
-  order); fewer rows stay on bf16 `F.linear`, which reads half the bytes.
-
-With native bf16 (AVX512-BF16, AMX) bf16 weights are not packed: oneDNN's own bf16 path is fast there.
-
-Packing is for frozen weights at inference (neither path has autograd): `linear` falls back to `F.linear` whenever
-a gradient is wanted, the input is in another dtype or off the CPU, or the weight was changed or moved after
-packing.
+Packing is for frozen weights at inference (no autograd): `linear` falls back to `F.linear` whenever a gradient is
+wanted, the input is in another dtype or off the CPU, or the weight was changed or moved after packing. Where the
+kernels cannot run nothing is packed and the model keeps `F.linear` (native.FALLBACK_NOTE says what that means
+for exactness).
 """
 
 from __future__ import annotations
@@ -34,34 +23,15 @@ from torch import nn
 
 from verispec.kernels import native
 
-# The row count oneDNN tunes the layout for: a verify step of 8 drafts is 9 rows, a block drafter's 8-16.
-PACK_ROWS = 16
-# bf16 packs are used from this many rows: below it bf16 F.linear, reading half the bytes, is as fast or faster
-# (2-vCPU AVX2: 7.9 / 11.2 / 14.8 ms for 1 / 2 / 3 rows unpacked, 8.3 / 17.6 / 15.6 packed).
-BF16_MIN_ROWS = 3
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
+            and native.available())
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN has native bf16 kernels on this CPU (AVX512-BF16, AMX or AVX-NE-CONVERT)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _onednn_packs(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and not cpu_has_native_bf16())
-
-
-def _native_packs(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if weight.dtype == torch.bfloat16 and cpu_has_native_bf16():
-        return False
-    return native.available()
-
-
-def packing_supported(weight: torch.Tensor) -> bool:
-    return _native_packs(weight) or _onednn_packs(weight)
+    """Whether the active kernels multiply bf16 natively (AVX-512 BF16): bf16 matmuls are then twice fp32's."""
+    return native.isa() == "avx512bf16"
 
 
 def _narrowest(w: torch.Tensor) -> torch.Tensor:
@@ -75,10 +45,8 @@ def _narrowest(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nbytes(weight: torch.Tensor) -> int:
-    """Memory a pack of this weight takes: a copy in its own dtype (native) or in fp32 (oneDNN)."""
-    if not packing_supported(weight):
-        return 0
-    return weight.numel() * (weight.element_size() if _native_packs(weight) else 4)
+    """Memory a pack of this weight takes (a copy in its own dtype; bf16 where an fp32 weight holds bf16 values)."""
+    return weight.numel() * weight.element_size() if packing_supported(weight) else 0
 
 
 def physical_memory() -> int | None:
@@ -98,25 +66,21 @@ class PackedWeight:
     """A packed copy of one weight [out, in], valid while that weight's storage and version are unchanged."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.detach()
-        self.kind = "native" if _native_packs(weight) else "onednn"
-        if self.kind == "native":
-            self.packed = native.pack(_narrowest(w))
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_ROWS)
+        self.packed = native.pack(_narrowest(weight.detach()))
         self.dtype = weight.dtype
         self.out_features = weight.shape[0]
         self._ptr, self._version = weight.data_ptr(), weight_version(weight)
         self._bias: tuple[int, int | None, torch.Tensor] | None = None  # (ptr, version, padded fp32 copy)
 
+    def valid_for(self, weight: torch.Tensor) -> bool:
+        return weight.data_ptr() == self._ptr and weight_version(weight) == self._version
+
     def usable(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         return (
-            weight.data_ptr() == self._ptr
-            and weight_version(weight) == self._version
+            self.valid_for(weight)
             and weight.dtype == x.dtype == self.dtype
             and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and (self.kind == "native" or self.dtype == torch.float32 or x.numel() >= BF16_MIN_ROWS * x.shape[-1])
         )
 
     def native_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -138,10 +102,7 @@ def linear(
 ) -> torch.Tensor:  # x [..., in] -> [..., out]
     if packed is None or not packed.usable(weight, x):
         return F.linear(x, weight, bias)
-    if packed.kind == "native":
-        return native.linear(x, packed.packed, packed.out_features, packed.native_bias(bias))
-    b = None if bias is None else bias.float()
-    return torch.ops.mkldnn._linear_pointwise(x.float(), packed.packed, b, "none", [], "").to(x.dtype)
+    return native.linear(x, packed.packed, packed.native_bias(bias))
 
 
 class PackedLinear(nn.Module):
@@ -159,5 +120,4 @@ class PackedLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed)
 
     def extra_repr(self) -> str:
-        kind = self.packed.kind if self.packed is not None else None
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed={kind}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed is not None}"

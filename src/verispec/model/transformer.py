@@ -10,6 +10,7 @@ from torch import nn
 
 from verispec.cache import KVCache, PackedBatch, causal_mask
 from verispec.config import ModelConfig
+from verispec.model.fused import FusedForward
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from verispec.model.packing import PackedLinear, pack_nbytes, packing_supported, physical_memory
 
@@ -48,6 +49,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused: FusedForward | None = None  # set by pack_weights where the native forward applies
 
     def fuse_projections(self) -> Transformer:
         """Inference only: q/k/v and gate/up projections become one matmul each (weights shared, not copied)."""
@@ -70,6 +72,9 @@ class Transformer(nn.Module):
             layer.self_attn.pack()
             layer.mlp.pack()
         self.lm_head = PackedLinear(self.lm_head)
+        cfg = self.config
+        if cfg.head_dim % 8 == 0 and cfg.head_dim <= 256:
+            self.fused = FusedForward(self)
         return self
 
     @property
@@ -83,8 +88,13 @@ class Transformer(nn.Module):
 
     @property
     def matmuls(self) -> str:
-        """Which matmuls this model runs: "native" or "onednn" packs (model.packing), or "torch" (F.linear)."""
-        return self.lm_head.packed.kind if self.packed else "torch"
+        """Which matmuls this model runs: "native" packs (model.packing) or "torch" (F.linear)."""
+        return "native" if self.packed else "torch"
+
+    @property
+    def forward_path(self) -> str:
+        """"native" where a CPU forward over a KV cache is one decoder.c call (model.fused), else "torch"."""
+        return "native" if self.fused is not None and self.fused.usable() else "torch"
 
     @property
     def device(self) -> torch.device:
@@ -107,6 +117,10 @@ class Transformer(nn.Module):
         # On CPU, oneDNN's bf16 matmul costs about the same for 1 to 8 rows, while the plain BLAS path is
         # linear in rows but twice as fast for one (measured at 49M: 3.5 / 5.6 / 10.7 ms for 1 / 2 / 4 rows
         # against 7.0 / 7.0 / 7.9). Pick by row count.
+        if (self.fused is not None and positions is None and cache is not None and FusedForward.takes(cache)
+                and self.fused.usable()):
+            n = tokens.shape[1] if num_logits is None else num_logits
+            return self.fused.forward(tokens, cache, hidden_layers, n)
         few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
         with _onednn(enabled=not few_rows):
             return self._forward(tokens, positions, cache, hidden_layers, num_logits)
@@ -142,6 +156,8 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: hidden [N, d]}
         """One forward over a ragged batch, each segment after its own cache's committed entries (see PackedBatch).
         Commits every segment's new tokens to its cache."""
+        if self.fused is not None and FusedForward.takes(batch) and self.fused.usable():
+            return self.fused.forward_packed(tokens, batch, logit_rows, hidden_layers)
         few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
         with _onednn(enabled=not few_rows):
             positions = batch.positions(tokens.device)[None]  # [1, N]

@@ -1,0 +1,245 @@
+/* The target's whole forward in one call (model/transformer.py, model/layers.py): embedding, every decoder layer
+ * (RMSNorm, fused q/k/v, optional q/k RMSNorm, RoPE, the KV-cache write, attention, o_proj, residual, RMSNorm,
+ * fused gate/up, SiLU, down, residual), the final norm and the LM head for the rows that need logits. At a decode
+ * or verify step's few rows, the dozens of small torch ops per layer cost more than the matmuls; here they are
+ * loops over a few rows between the matmuls (gemm.c) and attention (attention.c).
+ *
+ * Numerics follow the torch path: with act_bf16 every value the torch path holds in bf16 is rounded to bf16 (to
+ * nearest even) at the same point (after each matmul, norm, RoPE product and sum, SiLU, product and residual
+ * add), the cache and attention are fp32, and matmuls accumulate in fp32. Only summation orders inside a norm
+ * and the exp of SiLU differ from torch's, so the two paths agree to rounding. Every row is computed alone in one
+ * fixed order, whatever else is in the call: a verify step gives each token exactly what one-token steps give.
+ *
+ * The rows of a call are sequences back to back (vs_seq): sequence i's rows sit after its own cache's `cached`
+ * entries, at positions cached .. cached + rows - 1, and attend causally to that cache only. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
+              const float *bias, int64_t N, void *y, int out_bf16, int threads);
+int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
+                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
+                 float *out, int64_t causal_from, float scale, int threads);
+
+typedef struct {
+    const void *qkv, *o, *gate_up, *down; /* packed weights (gemm.c) */
+    int32_t qkv_bf16, o_bf16, gate_up_bf16, down_bf16;
+    const float *qkv_bias, *o_bias;       /* pad_bias()ed, or NULL */
+    const float *ln1, *ln2, *q_norm, *k_norm; /* fp32 norm weights [d] and [D]; q/k norms NULL without them */
+} vs_layer;
+
+typedef struct {
+    int64_t layers, d, heads, kv_heads, head_dim, ffn, vocab, max_pos;
+    float eps;
+    int32_t act_bf16;                /* bf16 model: round activations as the torch path does */
+    const void *embed;               /* [vocab, d], bf16 bits (act_bf16) or fp32 */
+    const float *final_norm;         /* [d] */
+    const void *lm_head;             /* packed [vocab, d] */
+    int32_t lm_head_bf16;
+    const float *cos, *sin;          /* [max_pos, head_dim] fp32, sin signed as in layers.RotaryEmbedding */
+    const vs_layer *layer;           /* [layers] */
+} vs_model;
+
+typedef struct {
+    int64_t rows, cached;            /* new tokens; committed cache entries before them */
+    float *k, *v;                    /* layer 0, kv head 0, position 0 of this sequence's cache */
+    int64_t layer_stride, head_stride, capacity; /* in floats; positions are head_dim floats apart */
+} vs_seq;
+
+static inline float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) u |= 0x400000u; /* NaN stays a quiet NaN */
+    else u = (u + 0x7FFFu + ((u >> 16) & 1u));
+    u &= 0xFFFF0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
+
+/* y = act(w * act(x / sqrt(mean(x^2) + eps))), as layers.RMSNorm (fp32 normalisation, cast, then the weight). */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, int bf16, float *y) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
+    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) y[i] = act(bf16, w[i] * act(bf16, x[i] * r));
+}
+
+/* RoPE on one head in place: x * cos + [x2, x1] * sin, each product and the sum rounded as the torch path. */
+static void rope(float *x, const float *cos, const float *sin, int64_t D, int bf16) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h];
+        x[i] = act(bf16, act(bf16, a * act(bf16, cos[i])) + act(bf16, b * act(bf16, sin[i])));
+        x[i + h] = act(bf16, act(bf16, b * act(bf16, cos[i + h])) + act(bf16, a * act(bf16, sin[i + h])));
+    }
+}
+
+/* The matmul input: the activations themselves, or their bf16 bits (exact: they are bf16 values) so that the
+ * BF16 kernels take them. */
+static const void *mm_input(const float *x, int64_t n, int bf16, uint16_t *bits) {
+    if (!bf16) return x;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        bits[i] = (uint16_t)(u >> 16);
+    }
+    return bits;
+}
+
+static void round_all(float *x, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
+}
+
+static void store_act(const float *x, int64_t n, int bf16, void *out) {
+    if (!bf16) {
+        memcpy(out, x, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *o = (uint16_t *)out;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        o[i] = (uint16_t)(u >> 16);
+    }
+}
+
+/* tokens: [N] ids (checked by the caller); seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers,
+ * each NULL or an [N, d] output in the activation dtype (0: the embedding, l: decoder layer l's output); logit_rows:
+ * [n_logits] rows whose final-norm LM-head logits go to logits [n_logits, vocab] in the activation dtype.
+ * Returns 0, -1 out of memory, -2 bad shapes, or the first failing kernel's code. */
+int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, const vs_seq *seqs, int64_t nseq,
+                       void *const *hidden, const int64_t *logit_rows, int64_t n_logits, void *logits, int threads) {
+    const int64_t d = m->d, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, F = m->ffn;
+    const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
+    const int bf16 = m->act_bf16;
+    if (N <= 0 || D % 8 != 0 || D > 256 || Hkv <= 0 || H % Hkv != 0) return -2;
+    int64_t total = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        if (seqs[s].rows < 0 || seqs[s].cached < 0 || seqs[s].cached + seqs[s].rows > seqs[s].capacity ||
+            seqs[s].cached + seqs[s].rows > m->max_pos)
+            return -2;
+        total += seqs[s].rows;
+    }
+    if (total != N) return -2;
+    const int64_t widest = nqkv > 2 * F ? nqkv : 2 * F;
+    float *x = (float *)malloc((size_t)(N * d) * sizeof(float));
+    float *h = (float *)malloc((size_t)(N * (d > nq ? d : nq)) * sizeof(float));
+    float *big = (float *)malloc((size_t)(N * widest) * sizeof(float)); /* qkv, then gate/up */
+    float *q = (float *)malloc((size_t)(N * nq) * sizeof(float));
+    float *att = (float *)malloc((size_t)(N * nq) * sizeof(float));
+    uint16_t *bits = (uint16_t *)malloc((size_t)(N * (F > nq ? (F > d ? F : d) : (nq > d ? nq : d))) * 2);
+    float *cs = (float *)malloc((size_t)(2 * N * D) * sizeof(float)); /* each row's cos, sin */
+    int rc = 0;
+    if (!x || !h || !big || !q || !att || !bits || !cs) {
+        rc = -1;
+        goto done;
+    }
+    for (int64_t r = 0; r < N; r++) {
+        const int64_t t = tokens[r];
+        if (bf16) {
+            const uint16_t *e = (const uint16_t *)m->embed + t * d;
+            for (int64_t i = 0; i < d; i++) {
+                const uint32_t u = (uint32_t)e[i] << 16;
+                memcpy(x + r * d + i, &u, sizeof u);
+            }
+        } else {
+            memcpy(x + r * d, (const float *)m->embed + t * d, (size_t)d * sizeof(float));
+        }
+    }
+    for (int64_t s = 0, r = 0; s < nseq; r += seqs[s].rows, s++)
+        for (int64_t t = 0; t < seqs[s].rows; t++) {
+            memcpy(cs + (r + t) * 2 * D, m->cos + (seqs[s].cached + t) * D, (size_t)D * sizeof(float));
+            memcpy(cs + (r + t) * 2 * D + D, m->sin + (seqs[s].cached + t) * D, (size_t)D * sizeof(float));
+        }
+    if (hidden && hidden[0]) store_act(x, N * d, bf16, hidden[0]);
+    const int par = N > 32 && threads > 1; /* a prefill's elementwise work is worth the second core */
+    for (int64_t l = 0; l < m->layers; l++) {
+        const vs_layer *L = m->layer + l;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+        for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln1, d, m->eps, bf16, h + r * d);
+        if ((rc = vs_linear(mm_input(h, N * d, bf16, bits), bf16, N, d, d, L->qkv, L->qkv_bf16, L->qkv_bias, nqkv,
+                            big, 0, threads)))
+            goto done;
+        round_all(big, N * nqkv, bf16);
+        for (int64_t s = 0, r0 = 0; s < nseq; r0 += seqs[s].rows, s++) {
+            const vs_seq *S = seqs + s;
+            float *kc = S->k + l * S->layer_stride, *vc = S->v + l * S->layer_stride;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+            for (int64_t t = 0; t < S->rows; t++) {
+                float *row = big + (r0 + t) * nqkv;
+                const float *c = cs + (r0 + t) * 2 * D, *sn = c + D;
+                for (int64_t hh = 0; hh < H + Hkv; hh++) { /* queries, then keys */
+                    float *v = row + hh * D;
+                    const float *w = hh < H ? L->q_norm : L->k_norm;
+                    if (w) rmsnorm(v, w, D, m->eps, bf16, v);
+                    rope(v, c, sn, D, bf16);
+                }
+                memcpy(q + (r0 + t) * nq, row, (size_t)nq * sizeof(float));
+                for (int64_t g = 0; g < Hkv; g++) {
+                    const int64_t at = g * S->head_stride + (S->cached + t) * D;
+                    memcpy(kc + at, row + nq + g * D, (size_t)D * sizeof(float));
+                    memcpy(vc + at, row + nq + nkv + g * D, (size_t)D * sizeof(float));
+                }
+            }
+            if (S->rows &&
+                (rc = vs_attention(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,
+                                   S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->cached,
+                                   1.0f / sqrtf((float)D), threads)))
+                goto done;
+        }
+        round_all(att, N * nq, bf16);
+        if ((rc = vs_linear(mm_input(att, N * nq, bf16, bits), bf16, N, nq, nq, L->o, L->o_bf16, L->o_bias, d, h, 0,
+                            threads)))
+            goto done;
+        for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+        for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln2, d, m->eps, bf16, h + r * d);
+        if ((rc = vs_linear(mm_input(h, N * d, bf16, bits), bf16, N, d, d, L->gate_up, L->gate_up_bf16, NULL, 2 * F,
+                            big, 0, threads)))
+            goto done;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+        for (int64_t r = 0; r < N; r++) { /* silu(gate) * up, into the gate half */
+            float *a = big + r * 2 * F;
+            for (int64_t i = 0; i < F; i++) {
+                const float g = act(bf16, a[i]), u = act(bf16, a[F + i]);
+                a[i] = act(bf16, act(bf16, g / (1.0f + expf(-g))) * u);
+            }
+        }
+        float *gate = big; /* rows 2F apart: compact them for the down projection */
+        for (int64_t r = 1; r < N; r++) memmove(gate + r * F, gate + r * 2 * F, (size_t)F * sizeof(float));
+        if ((rc = vs_linear(mm_input(gate, N * F, bf16, bits), bf16, N, F, F, L->down, L->down_bf16, NULL, d, h, 0,
+                            threads)))
+            goto done;
+        for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
+        if (hidden && hidden[l + 1]) store_act(x, N * d, bf16, hidden[l + 1]);
+    }
+    if (n_logits > 0) {
+        for (int64_t i = 0; i < n_logits; i++) {
+            if (logit_rows[i] < 0 || logit_rows[i] >= N) {
+                rc = -2;
+                goto done;
+            }
+            rmsnorm(x + logit_rows[i] * d, m->final_norm, d, m->eps, bf16, h + i * d);
+        }
+        rc = vs_linear(mm_input(h, n_logits * d, bf16, bits), bf16, n_logits, d, d, m->lm_head, m->lm_head_bf16, NULL,
+                       m->vocab, logits, bf16, threads);
+    }
+done:
+    free(x);
+    free(h);
+    free(big);
+    free(q);
+    free(att);
+    free(bits);
+    free(cs);
+    return rc;
+}
