@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from verispec.cache import KVCache, PackedBatch
+from verispec.kernels import native
 from verispec.model.transformer import Transformer
 from verispec.paths import user_cache
 
@@ -74,6 +75,8 @@ def profile_key(target: Transformer) -> dict:
         "device": str(target.device),
         "packed": target.packed,
         "matmuls": target.matmuls,
+        "kernels": native.isa(),  # the instruction set of the native kernels (None: torch's)
+        "forward": "native" if target.fused is not None else "torch",
         "method": 3,  # how measure() times which points (older profiles are measured again)
     }
 
