@@ -1,73 +1,105 @@
-"""The native kernels against torch's, on the shipped target's own matmul shapes: every matmul of one forward
-(8 layers of fused q/k/v, o, fused gate/up, down, and the LM head) at a few row counts, and one layer's attention
-over a cached context. Medians of interleaved repeats, so both sides see the same moments of a noisy machine.
+"""What the target's CPU forward costs, against the machine's own ceiling: the streaming read bandwidth (a C read
+loop over buffers as large as the model's weights and far larger), the forward's matmuls on every kernel path this
+CPU runs and on F.linear, at the row counts of decode, verify and prefill steps, and whole forwards (the native
+decoder.c call against the torch path). Medians of interleaved repeats, so every contender sees the same moments
+of a noisy machine.
 
-    python scripts/kernel_cost.py [--dtype bf16] [--threads 2] [--context 450]
+    python scripts/kernel_cost.py [--dtype bf16] [--threads 2] [--context 128] [--repeats 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from verispec.bench.timing import interleaved, median
+from verispec.cache import KVCache
 from verispec.kernels import native
 from verispec.model import load_model
-from verispec.model.packing import PACK_ROWS
 
 
 def interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
     return {name: 1e3 * median(t) for name, t in interleaved(fns, repeats).items()}
 
 
+def read_bandwidth(threads: int, sizes_mb: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """GB/s of a plain streaming read (scripts/bandwidth.c) per buffer size, median of `repeats` passes."""
+    lib = native.build_library("bandwidth", (Path(__file__).with_name("bandwidth.c"),),
+                               ("-O2", "-mavx2", "-fopenmp", "-fPIC", "-shared"))
+    lib.vs_read.restype = ctypes.c_float
+    lib.vs_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    out = {}
+    for mb in sizes_mb:
+        buf = torch.ones(mb << 18)  # mb MiB of fp32
+        fn = {"read": lambda: lib.vs_read(buf.data_ptr(), buf.numel() * 4, threads)}
+        out[mb] = buf.numel() * 4 / median(interleaved(fn, repeats)["read"]) / 1e9
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--context", type=int, default=450)
+    ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--target", default="zoo/target")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not native.available():
         raise SystemExit("native kernels unavailable here (see verispec.kernels.native)")
+    isas = [isa for isa in native.ISAS if isa in native.cpu_features()]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = load_model("zoo/target", dtype=args.dtype, pack=False)  # fused, not packed
+    model = load_model(args.target, dtype=args.dtype)
     weights = []
     for layer in model.model.layers:
-        weights += [layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
+        weights += [layer.self_attn.qkv_weight, layer.mlp.gate_up_weight, layer.self_attn.o_proj.weight,
                     layer.mlp.down_proj.weight]
-    weights.append(model.lm_head.weight)
-    weights = [w.detach() for w in weights]
-    ours = [native.pack(w) for w in weights]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_ROWS) for w in weights]
-    print(f"zoo/target matmuls, {args.dtype}, {args.threads} threads: ms per forward's worth (median of "
-          f"{args.repeats})")
-    print(f"{'rows':>5} {'native':>8} {'oneDNN fp32 pack':>17} {'F.linear':>9}")
+    weights = [w.detach() for w in weights] + [model.lm_head.weight.detach()]
+    packs = [native.pack(w) for w in weights]
+    nbytes = sum(p.nbytes for p in packs)
+    bw = read_bandwidth(args.threads, (max(1, nbytes >> 20), 1024), 15)
+    print(f"read bandwidth, {args.threads} threads: " + ", ".join(f"{mb} MiB {g:.1f} GB/s" for mb, g in bw.items()))
+    print(f"{args.target} matmuls, {args.dtype}, {args.threads} threads, {nbytes / 1e6:.1f} MB of packed weights: "
+          f"ms per forward's worth (GB/s of weights read), median of {args.repeats}")
+    print(f"{'rows':>5} " + " ".join(f"{isa:>18}" for isa in isas) + f" {'F.linear':>18}")
     with torch.inference_mode():
-        for m in (1, 2, 4, 6, 9, 12, 16, 64):
+        for m in (1, 2, 4, 9, 12, 16, 64):
             xs = [torch.randn(m, w.shape[1]).to(dtype) for w in weights]
-            fns = {
-                "native": lambda: [native.linear(x, p) for x, p, w in zip(xs, ours, weights)],
-                "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x.float(), p, None, "none", [], "").to(dtype)
-                                   for x, p in zip(xs, onednn)],
-                "torch": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
-            }
+
+            def run(isa):
+                def fn():
+                    with native.use(isa):
+                        for x, p in zip(xs, packs):
+                            native.linear(x, p)
+                return fn
+
+            fns = {isa: run(isa) for isa in isas}
+            fns["torch"] = lambda: [F.linear(x, w) for x, w in zip(xs, weights)]
             r = interleaved_ms(fns, args.repeats)
-            print(f"{m:5d} {r['native']:8.2f} {r['onednn']:17.2f} {r['torch']:9.2f}")
-        cfg = model.config
-        h, hkv, d, s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, args.context
-        print(f"attention, one layer ({h}/{hkv} heads, head_dim {d}), fp32 cache of {s} + T positions: us")
-        for t in (1, 9):
-            k, v = torch.randn(1, hkv, s + t, d), torch.randn(1, hkv, s + t, d)
-            q = torch.randn(1, t, h, d).transpose(1, 2)
-            mask = torch.ones(t, s + t, dtype=torch.bool).tril(s)
-            fns = {
-                "native": lambda: native.attention(q, k, v, causal=True),
-                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-            }
-            r = interleaved_ms(fns, args.repeats * 10)
-            print(f"  T={t}: native {1e3 * r['native']:.0f}, torch SDPA {1e3 * r['sdpa']:.0f}")
+            print(f"{m:5d} " + " ".join(f"{r[k]:8.2f} ({nbytes / r[k] / 1e6:5.1f})  " for k in fns))
+        print(f"whole forwards after {args.context} cached tokens: ms, native decoder.c call vs torch path")
+        tokens = torch.randint(0, model.config.vocab_size, (1, args.context + 16))
+        cache = KVCache.for_model(model, max_len=args.context + 32)
+        model(tokens[:, : args.context], cache=cache)
+        fused = model.fused
+
+        def step(rows, path, isa):
+            def fn():
+                model.fused = fused if path == "native" else None
+                with native.use(isa):
+                    model(tokens[:, args.context : args.context + rows], cache=cache, num_logits=rows)
+                cache.truncate(args.context)
+                model.fused = fused
+            return fn
+
+        for rows in (1, 9, 16):
+            fns = {f"{isa}/{path}": step(rows, path, isa) for isa in isas for path in ("native", "torch")}
+            r = interleaved_ms(fns, args.repeats)
+            print(f"  {rows:2d} rows: " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
 
 
 if __name__ == "__main__":

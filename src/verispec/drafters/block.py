@@ -35,7 +35,7 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Ve
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
-from verispec.model.packing import cpu_has_native_bf16, linear, pack, weight_version
+from verispec.model.packing import linear, pack, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -362,15 +362,15 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
     path = Path(path)
     t = target.config
     model = read_block_drafter(path, t)
-    # The drafter computes in the target's dtype (bf16 matmuls are about 2x fp32 on CPUs with native bf16),
-    # except for a bf16 target on a CPU without native bf16: there its many one-row ops (the head loop) are
-    # slower in bf16 and its multi-row matmuls run in fp32 anyway (model.packing), so it computes in fp32. Its
-    # precision never changes the output, only which drafts are proposed.
+    # The drafter computes in the target's dtype, except for a bf16 target on CPU: there it computes in fp32, so that
+    # each proposal runs its layers in one native call (kernels/blocklayer.c, fp32 activations over its bf16-valued
+    # weights packed in bf16) and its greedy head loop in another (kernels/markov.c), where bf16 would leave both to
+    # dozens of small torch ops. Its precision never changes the output, only which drafts are proposed.
     calibration = path / "calibration.json"
     temps = json.loads(calibration.read_text()).get("sts_temperatures") if calibration.is_file() else None
     vocab = load_draft_vocab(path, t.vocab_size) if draft_vocab else None
     dtype = target.dtype
-    if dtype == torch.bfloat16 and target.device.type == "cpu" and not cpu_has_native_bf16():
+    if dtype == torch.bfloat16 and target.device.type == "cpu":
         dtype = torch.float32
     model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)

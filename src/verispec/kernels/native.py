@@ -42,6 +42,7 @@ from verispec.paths import user_cache
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "decoder.c", "argmax.c"))
+HEADERS = (Path(__file__).with_name("vecmath.h"),)  # included by the sources: part of the build's hash
 PROBE = Path(__file__).with_name("cpu.c")
 BLOCK = 16  # output columns per packed block (gemm.c)
 # Instruction sets, slowest first, with their compiler flags and the CPU features they need (cpu.c's bits).
@@ -86,8 +87,10 @@ def _build(out: Path, sources: tuple[Path, ...], flags: tuple[str, ...]) -> None
             os.unlink(tmp)
 
 
-def _shared_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
+def build_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
+    """C sources built into one shared library in the user cache (once per source hash and flags), loaded."""
+    files = (*sources, *HEADERS)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(flags).encode()).hexdigest()[:16]
     path = user_cache("kernels") / f"verispec-{name}-{digest}.so"
     if not path.exists():
         _build(path, sources, flags)
@@ -97,7 +100,7 @@ def _shared_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]
 def cpu_features() -> set[str]:
     """The instruction sets of ISAS this CPU (and its OS) runs, from cpu.c's probe (built without ISA flags)."""
     if "features" not in _state:
-        lib = _shared_library("probe", (PROBE,), ("-O1", "-fPIC", "-shared"))
+        lib = build_library("probe", (PROBE,), ("-O1", "-fPIC", "-shared"))
         lib.vs_cpu_features.restype = ctypes.c_int
         _state["features"] = lib.vs_cpu_features()
     bits = int(_state["features"])  # type: ignore[arg-type]
@@ -133,7 +136,7 @@ def load_isa(isa: str) -> ctypes.CDLL:
         if isa not in _libs:
             if isa not in cpu_features():
                 raise RuntimeError(f"this CPU does not run the {isa} kernels")
-            _libs[isa] = _declare(_shared_library(isa, SOURCES, (*FLAGS, *_ISA_FLAGS[isa])))
+            _libs[isa] = _declare(build_library(isa, SOURCES, (*FLAGS, *_ISA_FLAGS[isa])))
         return _libs[isa]
 
 

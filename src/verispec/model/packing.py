@@ -29,11 +29,6 @@ def packing_supported(weight: torch.Tensor) -> bool:
             and native.available())
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether the active kernels multiply bf16 natively (AVX-512 BF16): bf16 matmuls are then twice fp32's."""
-    return native.isa() == "avx512bf16"
-
-
 def _narrowest(w: torch.Tensor) -> torch.Tensor:
     """fp32 weights that are exactly bf16 values (a checkpoint saved in bf16, loaded in fp32) as bf16: the native
     kernel computes in fp32 either way, so the products and sums are the same, from half the bytes."""
