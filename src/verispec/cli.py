@@ -124,6 +124,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--dtype", default=BenchConfig.dtype, choices=["fp32", "bf16"])
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--llamacpp", default=None, metavar="ARMS",
+                   help="llama.cpp arms interleaved with verispec's: comma-separated KIND[-QUANT] (plain, speculative, "
+                        "lookup; f32, bf16, q8_0, q4_0), or all (plain-bf16,plain-q8_0,plain-q4_0,speculative,lookup); "
+                        "needs `bash scripts/llamacpp.sh`")
+    p.add_argument("--llamacpp-draft", type=Path, default=None,
+                   help="draft model of the llama.cpp speculative arm (default: the model: method's, else the zoo's)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--new-tokens", type=int, default=128, help="core suite: tokens per generation")
@@ -148,6 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_ablation(args)
     import torch
 
+    from verispec.bench.llamacpp import parse_arms
     from verispec.bench.suite import BenchConfig, run
     from verispec.zoo import default_target
 
@@ -162,6 +169,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "prompt_files": tuple(args.prompts) or None,
         "prompts_per_task": args.prompts_per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "dtype": args.dtype, "baselines": not args.no_baselines,
+        "llamacpp": parse_arms(args.llamacpp) if args.llamacpp else None, "llamacpp_draft": args.llamacpp_draft,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = BenchConfig.quick(target, **overrides) if args.quick else BenchConfig(target, **overrides)

@@ -68,7 +68,88 @@ def summary_markdown(report: dict) -> str:
             lines.append(f"| {b['system']} | {b['task']} | {b['tokens_per_s']:.1f} | {b['verispec_method']} | "
                          f"{b['verispec_tokens_per_s']:.1f} | **{_fmt(b['verispec_ratio'])}x** | {b['equal_tokens_fp32']} |")
         lines.append("")
+    if "llamacpp" in report:
+        lines += llamacpp_markdown(report)
     return "\n".join(lines)
+
+
+def _tps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def llamacpp_markdown(report: dict) -> list[str]:
+    """verispec's arms and llama.cpp's side by side per task, the issue's two speed goals and the fp32 check."""
+    cfg, lc, records = report["config"], report["llamacpp"], report["records"]
+    lines = ["## Side by side with llama.cpp", "",
+             f"The same weights converted to GGUF, the same prompt token ids, greedy, {report['threads']} threads, "
+             f"{cfg['max_tokens']} new tokens; llama.cpp's arms run right after verispec's on each prompt. "
+             "Tokens/s: generated tokens over the summed time of the task's prompts (median over repeats), end to "
+             "end (prefill included) and after the prefill (per output token). llama.cpp's speculative arms are its "
+             "own `llama-speculative` (draft model) and `llama-lookup` (prompt lookup) binaries, timed by their "
+             "own counters; their `equal to plain` compares the text with plain decoding of the same GGUF.", "",
+             "| task | system | method | tokens/s | tokens/s after prefill | x llama.cpp bf16 plain (after prefill) "
+             "| acceptance | equal to plain |", "|---|---|---|---|---|---|---|---|"]
+    for task in dict.fromkeys(r["task"] for r in lc["records"]):
+        ref = next((r["decode_tokens_per_s"] for r in lc["records"] if r["task"] == task and r["arm"] == "plain-bf16"),
+                   None)
+
+        def ratio(x: float | None) -> str:
+            return f"{x / ref:.2f}x" if ref and x else "-"
+
+        ours = [r for r in records if r["task"] == task and "decode_tokens_per_s" in r]
+        if ours:
+            p = ours[0]
+            lines.append(f"| {task} | verispec | plain {cfg['dtype']} | {_tps(p['plain_tokens_per_s'])} | "
+                         f"{_tps(p['plain_decode_tokens_per_s'])} | {ratio(p['plain_decode_tokens_per_s'])} | - | - |")
+        for r in ours:
+            eq = "yes" if r["equal_to_plain"] else f"{r['num_prompts'] - r['num_diverged']}/{r['num_prompts']}"
+            lines.append(f"| {task} | verispec | {r['method']} k={r['k']} {cfg['dtype']} | {_tps(r['tokens_per_s'])} | "
+                         f"{_tps(r['decode_tokens_per_s'])} | {ratio(r['decode_tokens_per_s'])} | "
+                         f"{_fmt(r['acceptance_rate'])} | {eq} |")
+        for r in (r for r in lc["records"] if r["task"] == task):
+            acc = "-" if r["acceptance_rate"] is None else _fmt(r["acceptance_rate"])
+            eq = "-" if r["equal_to_plain"] is None else f"{r['equal_to_plain']}/{r['num_prompts']}"
+            method = f"{r['kind']} {r['quant']}" + (f" draft {r['draft']}" if r["draft"] else "")
+            lines.append(f"| {task} | llama.cpp | {method} | {_tps(r['tokens_per_s'])} | "
+                         f"{_tps(r['decode_tokens_per_s'])} | {ratio(r['decode_tokens_per_s'])} | {acc} | {eq} |")
+    lines += [""] + llamacpp_goals(records, lc["records"], cfg["dtype"])
+    eq = lc["fp32_equality"]
+    line = (f"fp32 token equality (llama.cpp's f32 GGUF through the binding vs verispec fp32, plain greedy, "
+            f"{eq['max_tokens']} tokens): {eq['num_equal']}/{eq['num_prompts']} prompts equal")
+    if eq["differences"]:
+        d = eq["differences"][0]
+        line += (f"; first difference: {d['task']} prompt {d['prompt']} at token {d['position']} (verispec "
+                 f"{d['verispec']}, llama.cpp {d['llama.cpp']}, verispec's top-2 log-prob gap {d['top2_gap']:.3f})")
+    mismatched = sum(r["num_prompts"] - r["prompt_ids_equal"] for r in lc["records"] if r["kind"] != "plain")
+    if mismatched:
+        line += f"; {mismatched} prompt(s) tokenized differently by llama.cpp's binaries"
+    return lines + [line, ""]
+
+
+def llamacpp_goals(records: list[dict], lc: list[dict], dtype: str) -> list[str]:
+    """Issue 18's goals on the code tasks: verispec plain >= 0.8x llama.cpp bf16 plain per output token, and
+    verispec's best drafter >= 1.3x llama.cpp's best bf16 mode (plain, speculative or lookup) end to end."""
+    code = sorted({r["task"] for r in lc if r["task"].startswith("code")})
+    plain, best, ours_plain, ours_best = {}, {}, {}, {}
+    for t in code:
+        bf16 = [r for r in lc if r["task"] == t and r["quant"] == "bf16"]
+        plain[t] = next((r["decode_tokens_per_s"] for r in bf16 if r["kind"] == "plain"), None)
+        best[t] = max((r["tokens_per_s"] for r in bf16), default=None)
+        ours = [r for r in records if r["task"] == t and "decode_tokens_per_s" in r]
+        ours_plain[t] = ours[0]["plain_decode_tokens_per_s"] if ours else None
+        ours_best[t] = max((r["tokens_per_s"] for r in ours), default=None)
+    lines = []
+    pairs = [(t, ours_plain[t] / plain[t]) for t in code if ours_plain[t] and plain[t]]
+    if pairs and dtype == "bf16":
+        worst = min(v for _, v in pairs)
+        lines.append("- verispec plain vs llama.cpp bf16 plain per output token: " + ", ".join(
+            f"{t} {_fmt(v)}x" for t, v in pairs) + f" (goal >= 0.8x on each: {'met' if worst >= 0.8 else 'not met'})")
+    pairs = [(t, ours_best[t] / best[t]) for t in code if ours_best[t] and best[t]]
+    if pairs and dtype == "bf16":
+        worst = min(v for _, v in pairs)
+        lines.append("- verispec's best drafter vs llama.cpp's best bf16 mode end to end: " + ", ".join(
+            f"{t} {_fmt(v)}x" for t, v in pairs) + f" (goal >= 1.3x on each: {'met' if worst >= 1.3 else 'not met'})")
+    return lines + [""] if lines else []
 
 
 def _geomean(xs: list[float]) -> float:

@@ -41,6 +41,8 @@ class BenchConfig:
     policies: tuple[str, ...] = ("fixed",)  # SpecConfig.policy values, each run with every method and k
     baselines: bool = True
     baseline_prompts: int = 4
+    llamacpp: tuple[str, ...] = ()  # llama.cpp arms (bench/llamacpp.py: KIND-QUANT), after verispec's on each prompt
+    llamacpp_draft: Path | None = None  # its `speculative` arm's draft model (default: the `model:` method's)
 
     @classmethod
     def quick(cls, target: Path, **kw) -> BenchConfig:
@@ -112,6 +114,17 @@ def _top2_gap(model, tokens: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def _llamacpp_arms(cfg: BenchConfig, specs: list[str], n_ctx: int):
+    """The llama.cpp arms, converted and checked before any timing; the draft model defaults to the `model:`
+    method's, then the zoo's."""
+    from verispec.bench.llamacpp import BenchArms
+
+    draft = cfg.llamacpp_draft or next((Path(s.split(":", 1)[1]) for s in specs if s.startswith("model:")), None)
+    if draft is None and (zoo_dir() / "drafter" / "config.json").is_file():
+        draft = zoo_dir() / "drafter"
+    return BenchArms(cfg.target, cfg.llamacpp, n_ctx, torch.get_num_threads(), draft)
+
+
 def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
     from tqdm import tqdm
 
@@ -125,7 +138,8 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
     sets = {task: [tok.encode(p)[-room:] for p in prompts] for task, prompts in _task_prompts(cfg).items()}
     methods = [(s, k, pol) for s in specs for k in cfg.ks for pol in cfg.policies]
     cells = {(task, *m): Cell() for task in sets for m in methods}
-    total_runs = cfg.repeats * sum(len(p) for p in sets.values()) * (1 + len(methods))
+    lcpp = _llamacpp_arms(cfg, specs, target.config.context_limit) if cfg.llamacpp else None
+    total_runs = cfg.repeats * sum(len(p) for p in sets.values()) * (1 + len(methods) + len(cfg.llamacpp))
     bar = tqdm(total=total_runs, disable=not progress, desc="bench", unit="gen")
     decode(target, sets[next(iter(sets))][0], replace(params, max_tokens=8))  # warm-up
     profile = None
@@ -158,6 +172,11 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
                             cell.equal += 1
                         else:
                             cell.diverged.append((prompt, plain.token_ids, res.token_ids))
+                if lcpp is not None:
+                    lcpp.run_prompt(task, prompt, cfg.max_tokens, first_repeat=rep == 0)
+                    bar.update(len(cfg.llamacpp))
+            if lcpp is not None:
+                lcpp.end_repeat(task)
             for m in methods:
                 cell = cells[(task, *m)]
                 cell.times.append(method_total[m])
@@ -181,6 +200,8 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
             "accepted_per_pos": conditional_acceptance(cell.stats),
             "tokens_per_s": cell.tokens / statistics.median(cell.times),
             "plain_tokens_per_s": plain_tps,
+            "decode_tokens_per_s": cell.tokens / statistics.median(cell.decode_times),
+            "plain_decode_tokens_per_s": cell.tokens / statistics.median(cell.plain_decode_times),
             "speedup_vs_plain": statistics.median(p / t for p, t in zip(cell.plain_times, cell.times)),
             # The same ratio without the prompt's prefill, identical work on both sides (time per output token).
             "decode_speedup_vs_plain": statistics.median(
@@ -201,6 +222,11 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
         from verispec.bench.baselines import run_baselines
 
         report["baselines"] = run_baselines(cfg, target, tok, sets, drafters, progress)
+    if lcpp is not None:
+        from verispec.bench.llamacpp import fp32_equality
+
+        report["llamacpp"] = {"records": lcpp.records(),
+                              "fp32_equality": fp32_equality(cfg.target, sets, cfg.max_tokens, torch.get_num_threads())}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     from verispec.bench.report import write_report
