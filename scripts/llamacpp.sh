@@ -48,7 +48,8 @@ if [ "$(cat "$dir/bin/recipe" 2>/dev/null)" != "$recipe" ]; then
   # llama-speculative and llama-lookup print their output and counters last: flush the log before main returns.
   for f in examples/speculative/speculative.cpp examples/lookup/lookup.cpp; do
     grep -q "common_log_flush(common_log_main())" "$src/vendor/llama.cpp/$f" ||
-      perl -0pi -e 's/(\n    return 0;\n\}\s*)\z/\n    common_log_flush(common_log_main());$1/' "$src/vendor/llama.cpp/$f"
+      perl -0pi -e 's/(\n    return 0;\n\}\s*)\z/\n    common_log_flush(common_log_main());$1/' \
+        "$src/vendor/llama.cpp/$f"
     grep -q "common_log_flush(common_log_main())" "$src/vendor/llama.cpp/$f"
   done
   gen=()
