@@ -385,7 +385,7 @@ class BenchArms:
                 cell.prompt_ids_equal += g.prompt_ids_equal
                 texts[name] = g.text
         for name, text in texts.items():  # a speculative arm's reference: plain decoding of the same GGUF
-            ref = texts.get(_reference(name))
+            ref = texts.get(_reference(name) or "")
             if ref is not None and text[:len(ref)] == ref:
                 self.cells[(task, name)].equal_to_plain += 1
 
@@ -400,21 +400,22 @@ class BenchArms:
         out = []
         for (task, name), c in self.cells.items():
             kind, quant = parse_arm(name)
-            ref = _reference(name)
+            ref = _reference(name) if _reference(name) in self.arms else None
             out.append({
                 "task": task, "arm": name, "kind": kind, "quant": quant, "draft": DRAFT if kind in BINARIES else 0,
                 "tokens_per_s": c.tokens / statistics.median(c.total_times),
                 "decode_tokens_per_s": c.tokens / statistics.median(c.decode_times),
                 "acceptance_rate": c.accepted / c.drafted if c.drafted else None,
                 "num_prompts": c.prompts, "num_tokens": c.tokens, "prompt_ids_equal": c.prompt_ids_equal,
-                "reference": ref if ref in self.arms else None,
-                "equal_to_plain": c.equal_to_plain if ref in self.arms else None,
+                "reference": ref, "equal_to_plain": c.equal_to_plain if ref else None,
             })
         return out
 
 
-def _reference(arm: str) -> str:
-    return f"plain-{parse_arm(arm)[1]}"
+def _reference(arm: str) -> str | None:
+    """A speculative arm's output should be plain decoding's on the same GGUF; plain arms have no reference."""
+    kind, quant = parse_arm(arm)
+    return None if kind == "plain" else f"plain-{quant}"
 
 
 def fp32_equality(target: Path, sets: dict[str, list[list[int]]], n: int, threads: int,

@@ -80,6 +80,9 @@ def _tps(x: float | None) -> str:
 def llamacpp_markdown(report: dict) -> list[str]:
     """verispec's arms and llama.cpp's side by side per task, the issue's two speed goals and the fp32 check."""
     cfg, lc, records = report["config"], report["llamacpp"], report["records"]
+    plain_arms = [r["arm"] for r in lc["records"] if r["kind"] == "plain"]
+    ref_arm = "plain-bf16" if "plain-bf16" in plain_arms else next(iter(plain_arms), "plain-bf16")
+    ref_quant = ref_arm.split("-", 1)[1]
     lines = ["## Side by side with llama.cpp", "",
              f"The same weights converted to GGUF, the same prompt token ids, greedy, {report['threads']} threads, "
              f"{cfg['max_tokens']} new tokens; llama.cpp's arms run right after verispec's on each prompt. "
@@ -87,10 +90,10 @@ def llamacpp_markdown(report: dict) -> list[str]:
              "end (prefill included) and after the prefill (per output token). llama.cpp's speculative arms are its "
              "own `llama-speculative` (draft model) and `llama-lookup` (prompt lookup) binaries, timed by their "
              "own counters; their `equal to plain` compares the text with plain decoding of the same GGUF.", "",
-             "| task | system | method | tokens/s | tokens/s after prefill | x llama.cpp bf16 plain (after prefill) "
-             "| acceptance | equal to plain |", "|---|---|---|---|---|---|---|---|"]
+             f"| task | system | method | tokens/s | tokens/s after prefill | x llama.cpp plain {ref_quant} "
+             "(after prefill) | acceptance | equal to plain |", "|---|---|---|---|---|---|---|---|"]
     for task in dict.fromkeys(r["task"] for r in lc["records"]):
-        ref = next((r["decode_tokens_per_s"] for r in lc["records"] if r["task"] == task and r["arm"] == "plain-bf16"),
+        ref = next((r["decode_tokens_per_s"] for r in lc["records"] if r["task"] == task and r["arm"] == ref_arm),
                    None)
 
         def ratio(x: float | None) -> str:
