@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
               const float *bias, int64_t N, void *y, int out_bf16, int threads);
 int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
@@ -24,14 +26,8 @@ int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int
 
 /* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], as torch's RMSNorm in fp32 (up to summation order). */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
-    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
+    const float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
 }
 
 /* rmsnorm over `rows` rows of d floats: a block drafter's context and final norms, which as torch ops (about ten

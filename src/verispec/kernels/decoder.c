@@ -64,14 +64,8 @@ static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
 
 /* y = act(w * act(x / sqrt(mean(x^2) + eps))), as layers.RMSNorm (fp32 normalisation, cast, then the weight). */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, int bf16, float *y) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
-    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) y[i] = act(bf16, w[i] * act(bf16, x[i] * r));
+    const float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = act(bf16, w[i] * act(bf16, x[i] * r));
 }
 
 /* RoPE on one head in place: x * cos + [x2, x1] * sin, each product and the sum rounded as the torch path. */

@@ -62,7 +62,12 @@ typedef __m256i vi;
 /* Software prefetch distance in each block's stream. A decode or verify step streams every weight from memory once
  * and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (2-vCPU Zen 3, a 33-matmul
  * bf16 forward out of cache: 5.0 -> 3.8 ms at 1 row). A prefetch never faults, so running past the end is harmless. */
+#ifndef PREFETCH
 #define PREFETCH 2048
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
 
 /* fp32 -> bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar: the tiles' stores are few. */
 static inline uint16_t to_bf16(float f) {
@@ -109,8 +114,8 @@ static inline void store_row(void *y, int out_bf16, int64_t n0, int64_t N, vf v)
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                                \
                 const char *wv = WADDR(w, v, bstride, half) + p * pstride;                                        \
                 if (v % VPB == 0) {                                                                               \
-                    _mm_prefetch(wv + PREFETCH, _MM_HINT_T0);                                                     \
-                    if (!WBF16) _mm_prefetch(wv + PREFETCH + 64, _MM_HINT_T0);                                    \
+                    _mm_prefetch(wv + PREFETCH, PF_HINT);                                                     \
+                    if (!WBF16) _mm_prefetch(wv + PREFETCH + 64, PF_HINT);                                    \
                 }                                                                                                 \
                 vf w1, w0;                                                                                        \
                 if (WBF16) {                                                                                      \
@@ -151,7 +156,7 @@ static inline __attribute__((always_inline)) void tile_dp(const int R, const int
         const uint32_t *xp = x + p * R;
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
             const char *wv = (const char *)w + v * bstride + p * pstride;
-            _mm_prefetch(wv + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(wv + PREFETCH, PF_HINT);
             const __m512bh wb = (__m512bh)_mm512_loadu_si512((const void *)wv);
             _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
                 acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wb, (__m512bh)_mm512_set1_epi32((int)xp[m]));

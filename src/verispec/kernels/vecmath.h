@@ -2,6 +2,18 @@
 #ifndef VERISPEC_VECMATH_H
 #define VERISPEC_VECMATH_H
 #include <immintrin.h>
+#include <stdint.h>
+
+/* sum of x[i]^2 in one fixed order: 8 interleaved partial sums, a pairwise tree, then the tail. */
+static inline float sum_squares(const float *x, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
+    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) ss += x[i] * x[i];
+    return ss;
+}
 
 /* exp(x) for x <= 0 to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial. */
 static inline __m256 exp_ps(__m256 x) {
