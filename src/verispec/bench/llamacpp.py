@@ -36,7 +36,7 @@ KINDS = ("plain", "speculative", "lookup")
 DEFAULT_ARMS = ("plain-bf16", "plain-q8_0", "plain-q4_0", "speculative", "lookup")
 BINARIES = {"speculative": "llama-speculative", "lookup": "llama-lookup"}
 DRAFT = 8  # tokens drafted per round by both speculative arms
-FLASH_ATTN = False  # the same attention kernels for every arm (the binding's default; the binaries get `-fa off`)
+FLASH_ATTN = True  # llama.cpp's default on a CPU (`-fa auto` resolves to on), set alike for the binding and binaries
 SETUP = "bash scripts/llamacpp.sh"
 
 
@@ -247,12 +247,14 @@ class Vocab:
 
 
 class PlainArm:
-    """Greedy decoding through the binding: the prompt in one prefill, then one token per forward."""
+    """Greedy decoding through the binding: the prompt in one prefill, then one token per forward. `exact`: without
+    flash attention and with an f32 KV cache (llama.cpp's defaults keep K and V in f16), for the fp32 check."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int, vocab: Vocab) -> None:
+    def __init__(self, path: Path, n_ctx: int, threads: int, vocab: Vocab, exact: bool = False) -> None:
         self.lib, self.vocab = import_llama_cpp(), vocab
+        kv = dict(type_k=self.lib.GGML_TYPE_F32, type_v=self.lib.GGML_TYPE_F32) if exact else {}
         self.llm = self.lib.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                  flash_attn=FLASH_ATTN, verbose=False)
+                                  flash_attn=FLASH_ATTN and not exact, verbose=False, **kv)
         self.n_vocab = self.llm.n_vocab()
 
     def _argmax(self) -> int:
@@ -420,8 +422,9 @@ def _reference(arm: str) -> str | None:
 
 def fp32_equality(target: Path, sets: dict[str, list[list[int]]], n: int, threads: int,
                   cache: Path | None = None) -> dict:
-    """Greedy tokens of llama.cpp's f32 GGUF (through the binding, ids in and out) against verispec's fp32 plain
-    decoding, N tokens on every prompt: how many are equal, and where each differing one first differs."""
+    """Greedy tokens of llama.cpp's f32 GGUF (through the binding, ids in and out, f32 KV cache, no flash attention)
+    against verispec's fp32 plain decoding, N tokens on every prompt: how many are equal, and where each differing
+    one first differs (with verispec's top-2 log-prob gap there)."""
     from verispec.bench.suite import _top2_gap
     from verispec.config import SamplingParams
     from verispec.decode import decode
@@ -429,7 +432,7 @@ def fp32_equality(target: Path, sets: dict[str, list[list[int]]], n: int, thread
 
     model = load_model(target, "fp32")
     path = gguf_file(target, "f32", cache)
-    arm = PlainArm(path, model.config.context_limit, threads, Vocab(path))
+    arm = PlainArm(path, model.config.context_limit, threads, Vocab(path), exact=True)
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     equal, diffs = 0, []
     for task, prompts in sets.items():

@@ -89,7 +89,8 @@ def llamacpp_markdown(report: dict) -> list[str]:
              "Tokens/s: generated tokens over the summed time of the task's prompts (median over repeats), end to "
              "end (prefill included) and after the prefill (per output token). llama.cpp's speculative arms are its "
              "own `llama-speculative` (draft model) and `llama-lookup` (prompt lookup) binaries, timed by their "
-             "own counters; their `equal to plain` compares the text with plain decoding of the same GGUF.", "",
+             "own counters; their `equal to plain` compares the text with plain decoding of the same GGUF. llama.cpp "
+             "runs at its CPU defaults: flash attention on, K and V cached in f16.", "",
              f"| task | system | method | tokens/s | tokens/s after prefill | x llama.cpp plain {ref_quant} "
              "(after prefill) | acceptance | equal to plain |", "|---|---|---|---|---|---|---|---|"]
     for task in dict.fromkeys(r["task"] for r in lc["records"]):
@@ -117,8 +118,9 @@ def llamacpp_markdown(report: dict) -> list[str]:
                          f"{_tps(r['decode_tokens_per_s'])} | {ratio(r['decode_tokens_per_s'])} | {acc} | {eq} |")
     lines += [""] + llamacpp_goals(records, lc["records"], cfg["dtype"])
     eq = lc["fp32_equality"]
-    line = (f"fp32 token equality (llama.cpp's f32 GGUF through the binding vs verispec fp32, plain greedy, "
-            f"{eq['max_tokens']} tokens): {eq['num_equal']}/{eq['num_prompts']} prompts equal")
+    line = (f"fp32 token equality (llama.cpp's f32 GGUF through the binding with an f32 KV cache and no flash "
+            f"attention vs verispec fp32, plain greedy, {eq['max_tokens']} tokens): "
+            f"{eq['num_equal']}/{eq['num_prompts']} prompts equal")
     if eq["differences"]:
         d = eq["differences"][0]
         line += (f"; first difference: {d['task']} prompt {d['prompt']} at token {d['position']} (verispec "
