@@ -59,14 +59,16 @@ typedef __m256i vi;
 #define MR_TALL 12
 #define NV_WIDE (VW == 16 ? 4 : 2) /* vectors per wide tile: 64 columns (AVX-512), 16 (AVX2) */
 #define NV_TALL (VW == 16 ? 2 : 1) /* vectors per tall tile */
-/* Software prefetch distance in each block's stream. A decode or verify step streams every weight from memory once
- * and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (2-vCPU Zen 3, a 33-matmul
- * bf16 forward out of cache: 5.0 -> 3.8 ms at 1 row). A prefetch never faults, so running past the end is harmless. */
+/* Software prefetch distance and hint in each block's stream. A decode or verify step streams every weight from
+ * memory once and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (2-vCPU Zen 3, a
+ * 33-matmul bf16 forward out of cache: 5.0 -> 3.8 ms at 1 row). Into L2 rather than L1 (2-vCPU Zen 4, the same
+ * forward's matmuls at 1 row, best of 41 on a shared machine, three runs: 1.25-1.48 ms with T1, 1.67-2.34 with T0).
+ * A prefetch never faults, so running past the end is harmless. */
 #ifndef PREFETCH
 #define PREFETCH 2048
 #endif
 #ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
+#define PF_HINT _MM_HINT_T1
 #endif
 
 /* fp32 -> bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar: the tiles' stores are few. */
