@@ -372,6 +372,7 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
     dtype = target.dtype
     if dtype == torch.bfloat16 and target.device.type == "cpu":
         dtype = torch.float32
+        model.bf16_matmuls = True
     model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
     return BlockDrafter(model.prepare_inference(), target, temps, vocab, context_window)

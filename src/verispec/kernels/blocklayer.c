@@ -48,11 +48,21 @@ static void norm_rope(const float *x, const float *w, int64_t D, float eps, cons
     }
 }
 
+/* y [M, N] = x [M, K] (rows ldx apart) @ W^T through gemm.c; with mm_bf16 the input is first rounded to bf16 into
+ * `bits` [M, K], so bf16 weights take the vdpbf16ps path (as a bf16 drafter rounds its matmul inputs). */
+static int mm(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int w_bf16, int64_t N, float *y,
+              int mm_bf16, uint16_t *bits, int threads) {
+    if (!mm_bf16) return vs_linear(x, 0, M, K, ldx, w, w_bf16, NULL, N, y, 0, threads);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) bits[m * K + k] = bf16_bits(x[m * ldx + k]);
+    return vs_linear(bits, 1, M, K, K, w, w_bf16, NULL, N, y, 0, threads);
+}
+
 int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, const float *ln1, const float *ln2,
                    const float *qn, const float *kn, float eps, const void *w_qkv, int qkv_bf16, const void *w_o,
                    int o_bf16, const void *w_gu, int gu_bf16, const void *w_down, int down_bf16, int64_t F,
                    int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, float *kc, float *vc,
-                   int64_t ksh, int64_t kss, int64_t S0, int threads) {
+                   int64_t ksh, int64_t kss, int64_t S0, int mm_bf16, int threads) {
     if (D > 512 || D % 2 != 0 || H % Hkv != 0 || G <= 0 || n < 0) return -2;
     const int64_t R = n + G, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
     int rc = 0;
@@ -62,13 +72,15 @@ int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, 
     float *att = (float *)malloc((size_t)(G * nq) * sizeof(float));
     float *h = (float *)malloc((size_t)(G * d) * sizeof(float));
     float *gu = (float *)malloc((size_t)(G * 2 * F) * sizeof(float));
-    if (!in || !qkv || !q || !att || !h || !gu) {
+    const int64_t widest = R * d > G * nq ? (R * d > G * F ? R * d : G * F) : (G * nq > G * F ? G * nq : G * F);
+    uint16_t *bits = mm_bf16 ? (uint16_t *)malloc((size_t)widest * sizeof(uint16_t)) : NULL;
+    if (!in || !qkv || !q || !att || !h || !gu || (mm_bf16 && !bits)) {
         rc = -1;
         goto done;
     }
     if (n) memcpy(in, ctx, (size_t)(n * d) * sizeof(float));
     for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln1, d, eps, in + (n + g) * d);
-    if ((rc = vs_linear(in, 0, R, d, d, w_qkv, qkv_bf16, NULL, nqkv, qkv, 0, threads))) goto done;
+    if ((rc = mm(in, R, d, d, w_qkv, qkv_bf16, nqkv, qkv, mm_bf16, bits, threads))) goto done;
     for (int64_t r = 0; r < R; r++) {
         const float *row = qkv + r * nqkv, *c = cos + r * D, *s = sin + r * D;
         if (r >= n)
@@ -81,15 +93,15 @@ int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, 
     if ((rc = vs_attention(q, 1, G, H, D, G * nq, nq, D, kc, vc, Hkv, S0 + R, 0, ksh, kss, att, -1,
                            1.0f / sqrtf((float)D), threads)))
         goto done;
-    if ((rc = vs_linear(att, 0, G, nq, nq, w_o, o_bf16, NULL, d, h, 0, threads))) goto done;
+    if ((rc = mm(att, G, nq, nq, w_o, o_bf16, d, h, mm_bf16, bits, threads))) goto done;
     for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
     for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln2, d, eps, h + g * d);
-    if ((rc = vs_linear(h, 0, G, d, d, w_gu, gu_bf16, NULL, 2 * F, gu, 0, threads))) goto done;
+    if ((rc = mm(h, G, d, d, w_gu, gu_bf16, 2 * F, gu, mm_bf16, bits, threads))) goto done;
     for (int64_t g = 0; g < G; g++) { /* silu(gate) * up, into the gate half */
         float *a = gu + g * 2 * F;
         for (int64_t i = 0; i < F; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * a[F + i];
     }
-    if ((rc = vs_linear(gu, 0, G, F, 2 * F, w_down, down_bf16, NULL, d, h, 0, threads))) goto done;
+    if ((rc = mm(gu, G, F, 2 * F, w_down, down_bf16, d, h, mm_bf16, bits, threads))) goto done;
     for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
 done:
     free(in);
@@ -98,5 +110,6 @@ done:
     free(att);
     free(h);
     free(gu);
+    free(bits);
     return rc;
 }

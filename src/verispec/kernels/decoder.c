@@ -50,16 +50,6 @@ typedef struct {
     int64_t layer_stride, head_stride, capacity; /* in floats; positions are head_dim floats apart */
 } vs_seq;
 
-static inline float bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) u |= 0x400000u; /* NaN stays a quiet NaN */
-    else u = (u + 0x7FFFu + ((u >> 16) & 1u));
-    u &= 0xFFFF0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
 
 /* y = act(w * act(x / sqrt(mean(x^2) + eps))), as layers.RMSNorm (fp32 normalisation, cast, then the weight). */

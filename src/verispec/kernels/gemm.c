@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 #if defined(__AVX512F__)
 #define VW 16 /* fp32 lanes per vector */
 typedef __m512 vf;
@@ -71,14 +73,6 @@ typedef __m256i vi;
 #define PF_HINT _MM_HINT_T1
 #endif
 
-/* fp32 -> bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. Scalar: the tiles' stores are few. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Store columns [n0, n0 + VW) of one output row, clipped at N. */
 static inline void store_row(void *y, int out_bf16, int64_t n0, int64_t N, vf v) {
     float tmp[VW];
@@ -87,7 +81,7 @@ static inline void store_row(void *y, int out_bf16, int64_t n0, int64_t N, vf v)
     if (n <= 0) return;
     if (out_bf16) {
         uint16_t *o = (uint16_t *)y + n0;
-        for (int64_t i = 0; i < n; i++) o[i] = to_bf16(tmp[i]);
+        for (int64_t i = 0; i < n; i++) o[i] = bf16_bits(tmp[i]);
     } else if (n == VW) {
         vstoref((float *)y + n0, v);
     } else {

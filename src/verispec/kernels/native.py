@@ -117,7 +117,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_argmax": (cint, [ptr, cint, i64, i64, i64, ptr]),
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
         "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, cint, ptr, cint, ptr, cint,
-                                  ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint]),
+                                  ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
         "vs_decoder_forward": (cint, [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint]),
         "vs_isa": (cint, []),
     }
@@ -387,6 +387,7 @@ def block_layer(
     rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [n + G, D] for the rows' positions, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # this layer's cache k, v [Hkv, S_max, D] fp32, rows contiguous
     start: int,  # cached positions: the rows go to start .. start + n + G - 1
+    mm_bf16: bool = False,  # round matmul inputs to bf16 (bf16 weights then take the vdpbf16ps path)
 ) -> None:
     """A block drafter layer (model/block.py) in one native call: see blocklayer.c."""
     lib = _required()
@@ -415,7 +416,7 @@ def block_layer(
         x.data_ptr(), g, d, None if ctx is None else ctx.data_ptr(), n, *(t.data_ptr() for t in norms), eps,
         wq.data.data_ptr(), wq.bf16, wo.data.data_ptr(), wo.bf16, wgu.data.data_ptr(), wgu.bf16,
         wd.data.data_ptr(), wd.bf16, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
-        v.data_ptr(), k.stride(0), k.stride(1), start, torch.get_num_threads(),
+        v.data_ptr(), k.stride(0), k.stride(1), start, mm_bf16, torch.get_num_threads(),
     )
     if rc != 0:
         raise ValueError(f"native block layer failed ({rc})")

@@ -3,6 +3,22 @@
 #define VERISPEC_VECMATH_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+
+/* fp32 -> bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to the nearest bf16 value (bf16_bits, back in fp32). */
+static inline float bf16_round(float f) {
+    const uint32_t u = (uint32_t)bf16_bits(f) << 16;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* sum of x[i]^2 in one fixed order: 8 interleaved partial sums, a pairwise tree, then the tail. */
 static inline float sum_squares(const float *x, int64_t n) {

@@ -132,13 +132,14 @@ class _BlockLayer(nn.Module):
         cos: torch.Tensor, sin: torch.Tensor,  # [n + G, D] fp32, positions of the new context rows and the block
         cache: KVCache, index: int,  # one sequence's context cache and this layer's index in it
         new_ctx: torch.Tensor | None,  # [n, d] fp32 context features to write before the block's rows
+        bf16_matmuls: bool = False,  # matmul inputs rounded to bf16 (BlockDraftModel.bf16_matmuls)
     ) -> None:
         """forward() for one sequence over its context cache, in one native call (kernels/blocklayer.c)."""
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.q_norm.weight,
                  self.k_norm.weight)
         dims = (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features)
         native.block_layer(x, new_ctx, norms, self.input_layernorm.eps, packs, dims, (cos, sin),
-                           (cache.k[index, 0], cache.v[index, 0]), cache.length)
+                           (cache.k[index, 0], cache.v[index, 0]), cache.length, bf16_matmuls)
 
     def forward(
         self,
@@ -265,7 +266,7 @@ class BlockDraftModel(nn.Module):
             rope = self.rotary_emb
             cos, sin = rope.cos[first : first + n + g], rope.sin[first : first + n + g]  # [n + G, D]
             for i, layer in enumerate(self.layers):
-                layer.native_forward(x[0], packs[i], cos, sin, ctx, i, feats)
+                layer.native_forward(x[0], packs[i], cos, sin, ctx, i, feats, self.bf16_matmuls)
         else:
             positions = anchor_pos[:, None] + torch.arange(-n, g, device=anchors.device)[None]
             cos, sin = self.rotary_emb(positions, x.dtype)
@@ -283,6 +284,9 @@ class BlockDraftModel(nn.Module):
     # and cache, no gradient, every layer fused and natively packed at load. Elsewhere (training, batched
     # proposals, other devices) the torch layers; the two agree to rounding (tests/test_block_drafter.py).
     use_native = True
+    # A bf16 drafter computing in fp32 on CPU (drafters.block.load_block_drafter) rounds its native layers' matmul
+    # inputs to bf16, as the bf16 drafter would: its bf16 weights then take the vdpbf16ps path, twice the FMA rate.
+    bf16_matmuls = False
 
     def _native_packs(self, x, ctx, mask) -> list[tuple[torch.Tensor, ...]] | None:
         if not (self.use_native and mask is None and isinstance(ctx, KVCache) and x.shape[0] == 1):
