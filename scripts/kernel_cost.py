@@ -26,18 +26,20 @@ def interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
     return {name: 1e3 * median(t) for name, t in interleaved(fns, repeats).items()}
 
 
-def read_bandwidth(threads: int, sizes_mb: tuple[int, ...], repeats: int) -> dict[int, float]:
-    """GB/s of a plain streaming read (scripts/bandwidth.c) per buffer size, median of `repeats` passes."""
+def reader(threads: int, nbytes: int):
+    """A plain streaming read of an nbytes buffer (scripts/bandwidth.c), as a callable."""
     lib = native.build_library("bandwidth", (Path(__file__).with_name("bandwidth.c"),),
                                ("-O2", "-mavx2", "-fopenmp", "-fPIC", "-shared"))
     lib.vs_read.restype = ctypes.c_float
     lib.vs_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    out = {}
-    for mb in sizes_mb:
-        buf = torch.ones(mb << 18)  # mb MiB of fp32
-        fn = {"read": lambda: lib.vs_read(buf.data_ptr(), buf.numel() * 4, threads)}
-        out[mb] = buf.numel() * 4 / median(interleaved(fn, repeats)["read"]) / 1e9
-    return out
+    buf = torch.ones(nbytes // 4)
+    return lambda: lib.vs_read(buf.data_ptr(), buf.numel() * 4, threads)
+
+
+def read_bandwidth(threads: int, sizes_mb: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """GB/s of a plain streaming read per buffer size, median of `repeats` passes."""
+    return {mb: (mb << 20) / median(interleaved({"read": reader(threads, mb << 20)}, repeats)["read"]) / 1e9
+            for mb in sizes_mb}
 
 
 def main() -> None:
@@ -100,6 +102,13 @@ def main() -> None:
             fns = {f"{isa}/{path}": step(rows, path, isa) for isa in isas for path in ("native", "torch")}
             r = interleaved_ms(fns, args.repeats)
             print(f"  {rows:2d} rows: " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
+        # The one-row forward against a read of as many bytes as its weights, interleaved: the same footprint
+        # against the same 32 MB L3, at the same moments of the machine.
+        fns = {"read": reader(args.threads, nbytes), "forward": step(1, "native", isas[-1])}
+        r = interleaved_ms(fns, 5 * args.repeats)
+        print(f"one-row native forward {r['forward']:.2f} ms ({nbytes / r['forward'] / 1e6:.1f} GB/s of weights) "
+              f"against a read of the same {nbytes / 1e6:.1f} MB {r['read']:.2f} ms ({nbytes / r['read'] / 1e6:.1f}"
+              f" GB/s): {r['read'] / r['forward']:.0%} of the read bandwidth")
 
 
 if __name__ == "__main__":
