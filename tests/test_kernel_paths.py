@@ -11,9 +11,8 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 from conftest import tiny_model
+
 from verispec.cache import KVCache, PackedBatch
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode

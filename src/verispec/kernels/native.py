@@ -242,6 +242,10 @@ def pad_bias(bias: torch.Tensor) -> torch.Tensor:  # [N] -> fp32 [ceil(N / 16) *
     return out
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _check_bias(bias: torch.Tensor | None, n: int, what: str) -> None:
     if bias is not None:
         _cpu(bias, what)
@@ -492,11 +496,10 @@ class Decoder:
                     t.dtype != torch.float32 or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous()
                     for t, n in norms):
                 raise ValueError(f"native decoder: layer {i} norms must be contiguous fp32 [d] (and [D] for q/k)")
-            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
             descs.append(LayerDesc(lw.qkv.data.data_ptr(), lw.o.data.data_ptr(), lw.gate_up.data.data_ptr(),
                                    lw.down.data.data_ptr(), lw.qkv.bf16, lw.o.bf16, lw.gate_up.bf16, lw.down.bf16,
-                                   ptr(lw.qkv_bias), ptr(lw.o_bias), ptr(lw.ln1), ptr(lw.ln2), ptr(lw.q_norm),
-                                   ptr(lw.k_norm)))
+                                   _ptr(lw.qkv_bias), _ptr(lw.o_bias), _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.q_norm),
+                                   _ptr(lw.k_norm)))
         if final_norm.shape != (d,) or (lm_head.k, lm_head.n) != (d, vocab):
             raise ValueError("native decoder: final norm [d] and LM head [vocab, d] expected")
         self._keep = (embed, layers, final_norm, lm_head, cos, sin)
