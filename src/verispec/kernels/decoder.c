@@ -121,7 +121,8 @@ static void store_act(const float *x, int64_t n, int bf16, void *out) {
 /* tokens: [N] ids (checked by the caller); seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers,
  * each NULL or an [N, d] output in the activation dtype (0: the embedding, l: decoder layer l's output); logit_rows:
  * [n_logits] rows whose final-norm LM-head logits go to logits [n_logits, vocab] in the activation dtype.
- * Returns 0, -1 out of memory, -2 bad shapes, or the first failing kernel's code. */
+ * Returns 0, -1 out of memory, -2 bad shapes, -3 a token id out of range, -4 a logit row out of range (both checked
+ * before anything is written), or the first failing kernel's code. */
 int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, const vs_seq *seqs, int64_t nseq,
                        void *const *hidden, const int64_t *logit_rows, int64_t n_logits, void *logits, int threads) {
     const int64_t d = m->d, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, F = m->ffn;
@@ -136,6 +137,10 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         total += seqs[s].rows;
     }
     if (total != N) return -2;
+    for (int64_t r = 0; r < N; r++)
+        if (tokens[r] < 0 || tokens[r] >= m->vocab) return -3;
+    for (int64_t i = 0; i < n_logits; i++)
+        if (logit_rows[i] < 0 || logit_rows[i] >= N) return -4;
     const int64_t widest = nqkv > 2 * F ? nqkv : 2 * F;
     float *x = (float *)malloc((size_t)(N * d) * sizeof(float));
     float *h = (float *)malloc((size_t)(N * (d > nq ? d : nq)) * sizeof(float));
@@ -223,13 +228,8 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         if (hidden && hidden[l + 1]) store_act(x, N * d, bf16, hidden[l + 1]);
     }
     if (n_logits > 0) {
-        for (int64_t i = 0; i < n_logits; i++) {
-            if (logit_rows[i] < 0 || logit_rows[i] >= N) {
-                rc = -2;
-                goto done;
-            }
+        for (int64_t i = 0; i < n_logits; i++)
             rmsnorm(x + logit_rows[i] * d, m->final_norm, d, m->eps, bf16, h + i * d);
-        }
         rc = vs_linear(mm_input(h, n_logits * d, bf16, bits), bf16, n_logits, d, d, m->lm_head, m->lm_head_bf16, NULL,
                        m->vocab, logits, bf16, threads);
     }

@@ -521,12 +521,9 @@ class Decoder:
         lib = _required()
         if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous() or tokens.device.type != "cpu":
             raise ValueError("native decoder: tokens must be a contiguous CPU int64 [N]")
-        n = tokens.shape[0]
-        if n and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab):
-            raise ValueError(f"native decoder: token ids must lie in [0, {self.vocab})")
-        if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous() or (
-                logit_rows.numel() and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= n)):
-            raise ValueError(f"native decoder: logit rows must be contiguous int64 in [0, {n})")
+        n = tokens.shape[0]  # token ids and logit rows are range-checked in C (-3, -4), before anything is written
+        if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous() or logit_rows.dim() != 1:
+            raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
         seqs = (SeqDesc * max(1, len(caches)))()
         rows = 0
         shape = (self.num_layers, self.kv_heads)
@@ -552,12 +549,18 @@ class Decoder:
             *(hidden[i].data_ptr() if i in hidden else None for i in range(self.num_layers + 1)))
         logits = torch.empty(logit_rows.numel(), self.vocab, dtype=self.dtype)
         if n == 0:
+            if logit_rows.numel():
+                raise ValueError("native decoder: logit rows must be a contiguous int64 [M] in [0, 0)")
             return logits, hidden
         rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), n, seqs, len(caches), outs,
                                     logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
                                     torch.get_num_threads())
         if rc == -1:
             raise MemoryError("native decoder: out of memory")
+        if rc == -3:
+            raise ValueError(f"native decoder: token ids must lie in [0, {self.vocab})")
+        if rc == -4:
+            raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
         if rc != 0:
             raise ValueError(f"native decoder failed ({rc})")
         return logits, hidden
