@@ -68,18 +68,6 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D, int bf
     }
 }
 
-/* The matmul input: the activations themselves, or their bf16 bits (exact: they are bf16 values) so that the
- * BF16 kernels take them. */
-static const void *mm_input(const float *x, int64_t n, int bf16, uint16_t *bits) {
-    if (!bf16) return x;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, x + i, sizeof u);
-        bits[i] = (uint16_t)(u >> 16);
-    }
-    return bits;
-}
-
 /* a[i] = act(act(silu(g)) * u) over a row [gate (n) ; up (n)], into the gate half; g, u = act(a[i]), act(a[n + i]).
  * silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) (never overflows), 8 lanes at a time. */
 static void silu_mul(float *a, int64_t n, int bf16) {
@@ -105,6 +93,7 @@ static void round_all(float *x, int64_t n, int bf16) {
         for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
 }
 
+/* x [n] (bf16 values when bf16) into out in the activation dtype: fp32, or the bf16 bits (exact). */
 static void store_act(const float *x, int64_t n, int bf16, void *out) {
     if (!bf16) {
         memcpy(out, x, (size_t)n * sizeof(float));
@@ -116,6 +105,13 @@ static void store_act(const float *x, int64_t n, int bf16, void *out) {
         memcpy(&u, x + i, sizeof u);
         o[i] = (uint16_t)(u >> 16);
     }
+}
+
+/* The matmul input: the activations themselves, or their bf16 bits in `bits` so that the BF16 kernels take them. */
+static const void *mm_input(const float *x, int64_t n, int bf16, uint16_t *bits) {
+    if (!bf16) return x;
+    store_act(x, n, 1, bits);
+    return bits;
 }
 
 /* tokens: [N] ids (checked by the caller); seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers,
@@ -158,10 +154,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         const int64_t t = tokens[r];
         if (bf16) {
             const uint16_t *e = (const uint16_t *)m->embed + t * d;
-            for (int64_t i = 0; i < d; i++) {
-                const uint32_t u = (uint32_t)e[i] << 16;
-                memcpy(x + r * d + i, &u, sizeof u);
-            }
+            for (int64_t i = 0; i < d; i++) x[r * d + i] = bf16_value(e[i]);
         } else {
             memcpy(x + r * d, (const float *)m->embed + t * d, (size_t)d * sizeof(float));
         }

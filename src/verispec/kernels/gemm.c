@@ -203,13 +203,6 @@ INST_ALL(fma_f32, float)
 INST_ALL(dp, uint32_t)
 #endif
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* x: [M, K] rows with stride ldx (elements), fp32 or bf16 (in_bf16); wp: packed weight (see the top), bf16
  * (w_bf16) or fp32; bias: fp32 [N16] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32.
  *

@@ -13,6 +13,14 @@ static inline uint16_t bf16_bits(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* bf16 bits -> the fp32 value (exact). */
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* f rounded to the nearest bf16 value (bf16_bits, back in fp32). */
 static inline float bf16_round(float f) {
     const uint32_t u = (uint32_t)bf16_bits(f) << 16;
