@@ -36,6 +36,7 @@ from verispec.model import load_model, save_model
 from verispec.model.tokenizer import Tokenizer
 from verispec.serve.app import PUBLIC_ROUTES, create_app
 from verispec.serve.chat import ChatTemplate
+from verispec.serve.protocol import ServeLimits
 from verispec.serve.server import build_state, is_loopback, serve
 
 KEY = "test-key"
@@ -496,6 +497,7 @@ def test_stop_string_mid_output(client, chat):
 # ---- 4. validation (D1-D3) ------------------------------------------------------------------------------------
 C, CH = "/v1/completions", "/v1/chat/completions"
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # >> 128 tokens
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 VALIDATION = [
     # (id, path, body (dict or raw bytes), status, param, code)
     ("max_tokens=0", C, completion_body(max_tokens=0), 400, "max_tokens", None),
@@ -572,6 +574,58 @@ VALIDATION = [
     ("speculation k=1000", C, completion_body(speculation={"k": 1000}), 400, "speculation.k", None),
     ("speculation policy", C, completion_body(speculation={"policy": "yolo"}), 400, "speculation.policy", None),
     ("speculation=5", C, completion_body(speculation=5), 400, "speculation", None),
+    ("speculation verify=5", C, completion_body(speculation={"verify": 5}), 400, "speculation.verify", None),
+    # issue 19 (1): integers too large for a float (JSON allows any number of digits) are a 400, not a 500
+    *[(f"{name}=1e400 int", C, completion_body(**{name: sign * 10**400}), 400, name, None)
+      for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p") for sign in (1, -1)],
+    *[(f"{name}=1e400 int", C, completion_body(**{name: 10**400}), 400, name, None)
+      for name in ("seed", "top_k", "max_tokens", "n", "best_of", "logprobs", "top_logprobs")],
+    ("max_completion_tokens=1e400 int", CH, {"messages": CHAT, "max_completion_tokens": 10**400}, 400,
+     "max_completion_tokens", None),
+    ("speculation k=1e400 int", C, completion_body(speculation={"k": 10**400}), 400, "speculation.k", None),
+    ("prompt id 1e400 int", C, completion_body(prompt=[10**400]), 400, "prompt", None),
+    ("temperature=1e400 float", C, b'{"prompt": "hi", "temperature": 1e400}', 400, "temperature", None),
+    # issue 19 (3): falsy values of the wrong type are refused like any other
+    ("logit_bias=0", C, completion_body(logit_bias=0), 400, "logit_bias", None),
+    ("logit_bias=[]", C, completion_body(logit_bias=[]), 400, "logit_bias", None),
+    ("logit_bias set", C, completion_body(logit_bias={"5": 10}), 400, "logit_bias", None),
+    ("stream_options=0", C, completion_body(stream_options=0), 400, "stream_options", None),
+    ("stream_options=''", C, completion_body(stream=True, stream_options=""), 400, "stream_options", None),
+    ("include_usage=0", C, completion_body(stream_options={"include_usage": 0}), 400,
+     "stream_options.include_usage", None),
+    ("stream=0", C, completion_body(stream=0), 400, "stream", None),
+    ("ignore_eos=0", C, completion_body(ignore_eos=0), 400, "ignore_eos", None),
+    ("logprobs=false (completions)", C, completion_body(logprobs=False), 400, "logprobs", None),
+    ("logprobs=0.0", C, completion_body(logprobs=0.0), 400, "logprobs", None),
+    ("logprobs=0 (chat)", CH, {"messages": CHAT, "logprobs": 0}, 400, "logprobs", None),
+    ("logprobs=true (chat)", CH, {"messages": CHAT, "logprobs": True}, 400, "logprobs", None),
+    ("top_logprobs=2", CH, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("top_logprobs=false", CH, {"messages": CHAT, "top_logprobs": False}, 400, "top_logprobs", None),
+    ("model=0", C, completion_body(model=0), 400, "model", None),
+    # issue 19 (3): OpenAI parameters that change what a request means are refused, not ignored
+    ("echo=true", C, completion_body(echo=True), 400, "echo", None),
+    ("echo=0", C, completion_body(echo=0), 400, "echo", None),
+    ("suffix", C, completion_body(suffix="}"), 400, "suffix", None),
+    ("suffix=0", C, completion_body(suffix=0), 400, "suffix", None),
+    ("response_format json_object", CH, {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format", None),
+    ("response_format json_schema", CH, {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400,
+     "response_format", None),
+    ("response_format='text'", CH, {"messages": CHAT, "response_format": "text"}, 400, "response_format", None),
+    ("tool_choice required", CH, {"messages": CHAT, "tools": [TOOL], "tool_choice": "required"}, 400,
+     "tool_choice", None),
+    ("tool_choice named", CH, {"messages": CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}}, 400, "tool_choice", None),
+    ("tool_choice required, no tools", CH, {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", None),
+    ("tools, tool_choice auto", CH, {"messages": CHAT, "tools": [TOOL], "tool_choice": "auto"}, 400, "tools", None),
+    ("tools, no tool_choice", CH, {"messages": CHAT, "tools": [TOOL]}, 400, "tools", None),
+    ("tools=0", CH, {"messages": CHAT, "tools": 0}, 400, "tools", None),
+    ("tool_choice=0", CH, {"messages": CHAT, "tool_choice": 0}, 400, "tool_choice", None),
+    ("functions + function_call named", CH, {"messages": CHAT, "functions": [TOOL["function"]],
+                                             "function_call": {"name": "get_time"}}, 400, "function_call", None),
+    ("modalities audio", CH, {"messages": CHAT, "modalities": ["text", "audio"]}, 400, "modalities", None),
+    ("audio", CH, {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio", None),
 ]
 
 
@@ -617,14 +671,18 @@ def test_validation_is_fast_and_server_up_after(srv, client, model, ckpt):
     srv.engine.check_invariants()
 
 
-def test_max_tokens_omitted_is_derived(client, ckpt):
-    """D2: without max_tokens the server derives the room left in the context (>= 1), never a 400/negative."""
-    prompt_len = len(Tokenizer.from_dir(ckpt).plain_text_copy().encode(PROMPT))
+def test_max_tokens_omitted_default(client):
+    """D2 / issue 19 (4): without max_tokens a completion gets OpenAI's 16 and a chat request the room left in the
+    context up to the server's max_tokens_limit (2048 here, more than the 128 context); both capped by the room
+    (>= 1), never a 400/negative."""
     r = client.post(C, json={"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True,
                              "speculation": "off"})
     assert r.status_code == 200
-    assert r.json()["usage"]["completion_tokens"] == 128 - prompt_len
+    assert r.json()["usage"]["completion_tokens"] == ServeLimits.completion_max_tokens == 16
     assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = client.post(CH, json={"model": MODEL, "messages": CHAT, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 128 - r.json()["usage"]["prompt_tokens"]
     r = client.post(C, json={"model": MODEL, "prompt": [5] * 127, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 

@@ -358,6 +358,7 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from verispec.config import EngineConfig
+    from verispec.serve.protocol import ServeLimits
 
     p = sub.add_parser("serve", help="OpenAI-compatible server over the batching engine")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
@@ -370,6 +371,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued", type=int, default=EngineConfig.max_queued)
     p.add_argument("--cache-budget-tokens", type=int, default=EngineConfig.cache_budget_tokens)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-tokens-limit", type=int, default=ServeLimits.max_tokens_limit,
+                   help="the most new tokens one request may ask for; also a chat request's default "
+                        f"(completions default to {ServeLimits.completion_max_tokens})")
+    p.add_argument("--body-timeout", type=float, default=ServeLimits.body_timeout_s,
+                   help="seconds a request body may take to arrive (then 408)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --api-key)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="required on every route but /health (or $VERISPEC_API_KEY)")
@@ -384,6 +390,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from verispec.api import set_threads
     from verispec.config import EngineConfig
+    from verispec.serve.protocol import ServeLimits
     from verispec.serve.server import build_state, is_loopback, serve
     from verispec.zoo import default_target
 
@@ -397,7 +404,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     state = build_state(args.target or default_target(), config, dtype=args.dtype, api_key=api_key,
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                        drafters=tuple(d for d in args.drafters.split(",") if d))
+                        drafters=tuple(d for d in args.drafters.split(",") if d),
+                        limits=ServeLimits(max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.body_timeout))
     serve(state, args.host, args.port)
     return 0
 

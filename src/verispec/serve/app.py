@@ -3,7 +3,8 @@
 Routes: /v1/completions, /v1/chat/completions (SSE streaming ending in `[DONE]`), /v1/models, /health (alive),
 /ready (a real one-token generation succeeded and the engine loop is alive), /metrics (Prometheus text).
 Every route but /health needs the API key when one is set (constant-time compare). Bodies over the limit get
-413 before the app sees them; a full queue gets 429 with Retry-After; every error is OpenAI-shaped.
+413 before the app sees them, bodies that stall 408; a keyless server answers only loopback Host names and
+same-machine origins; a full queue gets 429 with Retry-After; every error is OpenAI-shaped.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -19,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -32,15 +35,18 @@ from verispec.serve.chat import ChatTemplate
 from verispec.serve.metrics import render_metrics
 from verispec.serve.protocol import (
     APIError,
+    ServeLimits,
     chat_messages,
     completion_prompt,
     parse_sampling,
     parse_speculation,
     parse_stream,
+    refuse_unsupported,
 )
 
 log = logging.getLogger("verispec.serve")
 PUBLIC_ROUTES = frozenset({"/health"})
+JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -51,6 +57,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    limits: ServeLimits = field(default_factory=ServeLimits)
     chat: ChatTemplate = field(default_factory=ChatTemplate)
     # Drafter specs requests may use (the engine's default is always one): a request names one of these, or a
     # registry name (`model`) that matches exactly one. Never a path from the request: clients cannot make the
@@ -75,6 +82,42 @@ class ServerState:
                             "server with --drafters to enable more)", param="speculation")
 
 
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_authority(host: str) -> bool:
+    """A Host header (`name`, `1.2.3.4`, `[v6]`, each with an optional `:port`) naming this machine's loopback."""
+    if host.startswith("["):
+        name, _, port = host[1:].partition("]")
+        if port and not port.startswith(":"):
+            return False
+        port = port[1:]
+    else:
+        name, _, port = host.partition(":")  # an unbracketed IPv6 leaves a non-numeric port: refused
+    return (not port or port.isdigit()) and is_loopback(name)
+
+
+def _loopback_origin(origin: str) -> bool:
+    """An Origin header of a page served from this machine's loopback ("null", file pages included, is not)."""
+    try:
+        url = urlsplit(origin)
+        url.port  # noqa: B018 - raises on a malformed port
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and url.hostname is not None and is_loopback(url.hostname)
+
+
+def _is_json(content_type: str) -> bool:
+    mime = content_type.partition(";")[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
@@ -88,16 +131,21 @@ async def _send_json(send, status: int, body: dict, headers: dict[str, str] | No
 
 
 class GuardMiddleware:
-    """API key on every route but the public ones, and a body-size cap, before any route code runs."""
+    """Before any route code runs: Host and Origin on a keyless server, the API key on every route but the public
+    ones, a JSON content type on the JSON routes, a body-size cap and a body-read deadline."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        if self.key is None:  # loopback only, no key: refuse DNS rebinding and cross-site pages
+            err = self._foreign(headers)
+            if err is not None:
+                return await _send_json(send, err.status, err.body())
         if self.key is not None and scope["path"] not in PUBLIC_ROUTES:
             auth = headers.get(b"authorization", b"")
             given = auth[7:] if auth[:7].lower() == b"bearer " else b""
@@ -105,6 +153,12 @@ class GuardMiddleware:
                 err = APIError(401, "invalid or missing API key", type="authentication_error",
                                code="invalid_api_key")
                 return await _send_json(send, 401, err.body(), {"WWW-Authenticate": "Bearer"})
+        # A JSON body only: a form or text/plain post is what a browser sends cross-site without a preflight.
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        if scope["method"] == "POST" and scope["path"] in JSON_ROUTES and not _is_json(content_type):
+            err = APIError(415, "the request body must be JSON (Content-Type: application/json)",
+                           code="unsupported_media_type")
+            return await _send_json(send, 415, err.body(), {"Connection": "close"})
         too_big = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         try:
             declared = int(headers.get(b"content-length", b"0"))
@@ -114,8 +168,14 @@ class GuardMiddleware:
             return await _send_json(send, 413, too_big.body(), {"Connection": "close"})
         # Read the body here, counting, so a chunked upload cannot exceed the cap either; then replay it.
         chunks, size = [], 0
+        deadline = time.monotonic() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                err = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                               code="body_timeout")
+                return await _send_json(send, 408, err.body(), {"Connection": "close"})
             if message["type"] != "http.request":
                 return  # disconnected before the body arrived
             chunks.append(message.get("body", b""))
@@ -135,6 +195,18 @@ class GuardMiddleware:
 
         return await self.app(scope, replay, send)
 
+    @staticmethod
+    def _foreign(headers: dict[bytes, bytes]) -> APIError | None:
+        host = headers.get(b"host")  # absent only in HTTP/1.0, which no browser sends
+        if host is not None and not _loopback_authority(host.decode("latin-1")):
+            return APIError(421, "this server has no API key and answers only loopback Host names (localhost, "
+                                 "127.0.0.1, [::1])", code="invalid_host")
+        origin = headers.get(b"origin")
+        if origin is not None and not _loopback_origin(origin.decode("latin-1")):
+            return APIError(403, "cross-origin requests are refused by a server without an API key",
+                            type="permission_error", code="cross_origin")
+        return None
+
 
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
@@ -143,7 +215,9 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.engine.shutdown()
 
-    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: /v1/completions/ is a 404, not a 307 that clients would follow with their body.
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.verispec = state
 
     @app.exception_handler(APIError)
@@ -160,11 +234,11 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error")
         return _error_response(APIError(500, "internal error", type="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes; uvicorn drops the body
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if state.ready and state.engine.alive:
             return {"status": "ready"}
@@ -188,7 +262,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _generate(state, request, chat=True)
 
-    return GuardMiddleware(app, state.api_key, state.max_body_bytes)  # type: ignore[return-value]
+    return GuardMiddleware(app, state.api_key, state.max_body_bytes,  # type: ignore[return-value]
+                           state.limits.body_timeout_s)
 
 
 async def _warm_up(state: ServerState) -> None:
@@ -213,21 +288,49 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
+def _draft_slots(state: ServerState, spec: RequestSpec) -> int:
+    """KV positions Engine.add_request reserves beside prompt + max_tokens: the k drafts and the bonus token."""
+    config = state.engine.engine.config
+    k = config.k if spec.k is None else spec.k
+    drafter = config.drafter if spec.drafter is None else spec.drafter
+    return 1 + (0 if drafter in (None, "", "none") else k)
+
+
+def _budget_error(state: ServerState, prompt_len: int, max_tokens: int, spec: RequestSpec) -> APIError | None:
+    """The 400 for a request larger than the whole KV cache budget, naming what the client can change."""
+    engine = state.engine.engine
+    budget, fixed = engine.config.cache_budget_tokens, prompt_len + _draft_slots(state, spec)
+    if min(engine.limit, fixed + max_tokens) <= budget:
+        return None  # refused for another reason
+    if budget - fixed < 1:
+        return APIError(400, f"the prompt's {prompt_len} tokens and {fixed - prompt_len} draft positions do not fit "
+                             f"this server's KV cache budget of {budget} positions", param="prompt")
+    return APIError(400, f"max_tokens {max_tokens} does not fit this server's KV cache budget of {budget} positions "
+                         f"with the prompt's {prompt_len} tokens and {fixed - prompt_len} draft positions; at most "
+                         f"{budget - fixed} new tokens fit", param="max_tokens")
+
+
 def _prepare(state: ServerState, body: dict, chat: bool) -> tuple[list[int], SamplingParams, RequestSpec]:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, "model must be a string", param="model")
     if model is not None and model != state.model_name:
         raise APIError(404, f"model {str(model)[:100]!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found", type="not_found_error")
-    target = state.engine.engine.target
-    vocab = target.config.vocab_size
+    engine = state.engine.engine
+    vocab = engine.target.config.vocab_size
     if chat:
         messages = chat_messages(body, state.tokenizer.special_tokens())
         prompt_ids = state.tokenizer.encode(state.chat.render(messages))
     else:
         prompt_ids = completion_prompt(body, state.plain.encode, vocab)
-    params = parse_sampling(body, len(prompt_ids), state.engine.engine.limit, vocab)
+    refuse_unsupported(body)
     spec = parse_speculation(body.get("speculation"))
-    return prompt_ids, params, dataclasses.replace(spec, drafter=state.resolve_drafter(spec.drafter))
+    spec = dataclasses.replace(spec, drafter=state.resolve_drafter(spec.drafter))
+    budget = engine.config.cache_budget_tokens  # a reservation is capped at the context: a budget >= it fits all
+    fits = budget - len(prompt_ids) - _draft_slots(state, spec) if budget < engine.limit else None
+    params = parse_sampling(body, len(prompt_ids), engine.limit, vocab, chat=chat, limits=state.limits, fits=fits)
+    return prompt_ids, params, spec
 
 
 async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
@@ -239,7 +342,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except VerispecError as e:  # e.g. the request needs more KV cache than the engine's budget
-        raise APIError(400, str(e)) from None
+        raise _budget_error(state, len(prompt_ids), params.max_tokens, spec) or APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     shape = _Shape(rid, state.model_name, chat, int(time.time()))

@@ -6,17 +6,33 @@ out-of-range value is a 400 with `param` set, never a 500 and never silently cla
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from verispec.config import POLICIES, RequestSpec, SamplingParams
+from verispec.config import POLICIES, VERIFY_RULES, RequestSpec, SamplingParams
 from verispec.errors import ConfigError
 
 INT64 = 1 << 63
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Per-request limits of one server (`verispec serve --max-tokens-limit`, `--body-timeout`)."""
+
+    # The most new tokens one request may ask for; also what a chat request without max_tokens gets (OpenAI's
+    # "up to the context", bounded), so one client cannot reserve the whole context by omission.
+    max_tokens_limit: int = 2048
+    completion_max_tokens: int = 16  # /v1/completions without max_tokens: OpenAI's default
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this, else 408 (a stalled upload)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_limit < 1 or self.completion_max_tokens < 1:
+            raise ConfigError("max_tokens_limit and completion_max_tokens must be >= 1")
+        if not self.body_timeout_s > 0:
+            raise ConfigError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
 
 
 class APIError(Exception):
@@ -35,6 +51,11 @@ def _bad(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def _show(v: int | float) -> str:
+    # A JSON number may have thousands of digits: never put all of them in an error message.
+    return str(v) if abs(v) < 1e18 else "a number out of range"
+
+
 def _int(body: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
     v = body.get(name)
     if v is None:
@@ -42,7 +63,7 @@ def _int(body: dict, name: str, lo: int, hi: int, default: int | None) -> int | 
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(name, f"{name} must be an integer, got {type(v).__name__}")
     if not lo <= v <= hi:
-        raise _bad(name, f"{name} must be in [{lo}, {hi}], got {v}")
+        raise _bad(name, f"{name} must be in [{lo}, {hi}], got {_show(v)}")
     return v
 
 
@@ -52,9 +73,17 @@ def _float(body: dict, name: str, lo: float, hi: float, default: float, lo_open:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(name, f"{name} must be a number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
-        raise _bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    if not (lo <= v <= hi) or (lo_open and v == lo):  # exact for any int: float() of a huge one overflows
+        raise _bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {_show(v)}")
+    return float(v)  # NaN fails every comparison above; +-Infinity is out of range
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"{name} must be a boolean, got {type(v).__name__}")
     return v
 
 
@@ -97,13 +126,71 @@ def parse_speculation(value: Any) -> RequestSpec:
             raise _bad("speculation.k", 'speculation.k must be an integer in [0, 32] or "auto"')
         policy = policy or ("off" if k == 0 else "fixed")
     verify = value.get("verify", "auto")
+    if not isinstance(verify, str) or verify not in VERIFY_RULES:
+        raise _bad("speculation.verify", f"speculation.verify must be one of {VERIFY_RULES}")
     try:
         return RequestSpec(drafter="none" if method == "off" else method, policy=policy, k=k, verify=verify)
     except ConfigError as e:
         raise _bad("speculation", str(e)) from None
 
 
-def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: int) -> SamplingParams:
+def refuse_unsupported(body: dict) -> None:
+    """OpenAI parameters that would change what a request means are refused, never ignored; their defaults (false,
+    "", {"type": "text"}, no tools) pass, and a wrong type is a 400 like any other."""
+    if _bool(body, "echo", False):
+        raise _bad("echo", "echo is not supported")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise _bad("suffix", "suffix must be a string")
+    if suffix:
+        raise _bad("suffix", "suffix (insertion) is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise _bad("response_format", "response_format must be an object")
+    if fmt is not None and fmt.get("type") != "text":
+        raise _bad("response_format", 'only response_format {"type": "text"} is supported (no JSON mode or schema)')
+    # The model is never shown tools and never calls one: allowed only where the client says not to call any.
+    for tools_name, choice_name in (("tools", "tool_choice"), ("functions", "function_call")):
+        tools, choice = body.get(tools_name), body.get(choice_name)
+        if tools is not None and not isinstance(tools, list):
+            raise _bad(tools_name, f"{tools_name} must be a list")
+        if choice is not None and not isinstance(choice, (str, dict)):
+            raise _bad(choice_name, f"{choice_name} must be a string or an object")
+        if choice is not None and choice not in ("none", "auto"):
+            raise _bad(choice_name, f'{choice_name} other than "none" or "auto" is not supported (no tool calling)')
+        if tools and choice != "none":
+            raise _bad(tools_name, f'{tools_name} are not supported (no tool calling) unless {choice_name} is "none"')
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+        raise _bad("modalities", 'only modalities ["text"] is supported')
+    if body.get("audio") is not None:
+        raise _bad("audio", "audio output is not supported")
+
+
+def _max_tokens(body: dict, prompt_len: int, context_limit: int, default: int, limit: int) -> int:
+    room = context_limit - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the context limit is {context_limit}, so at most "
+                            f"{context_limit - 1} prompt tokens leave room to generate",
+                       param="prompt", code="context_length_exceeded")
+    name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = _int(body, "max_completion_tokens", 1, INT64 - 1, None)
+    max_tokens = _int(body, "max_tokens", 1, INT64 - 1, max_tokens)
+    if max_tokens is None:
+        return max(1, min(default, room))
+    if max_tokens > room:
+        raise APIError(400, f"{name} {_show(max_tokens)} + the prompt's {prompt_len} tokens exceed the context "
+                            f"limit of {context_limit}; at most {room} new tokens fit", param=name,
+                       code="context_length_exceeded")
+    if max_tokens > limit:
+        raise _bad(name, f"{name} {max_tokens} exceeds this server's limit of {limit} new tokens per request")
+    return max_tokens
+
+
+def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: int, *, chat: bool,
+                   limits: ServeLimits, fits: int | None = None) -> SamplingParams:
+    """`fits`: the most new tokens the KV cache budget leaves this prompt; bounds the default only (an explicit
+    max_tokens over it is the engine's to refuse)."""
     for name in ("n", "best_of"):
         if _int(body, name, 1, 1 << 30, 1) != 1:
             raise _bad(name, f"{name} > 1 is not supported")
@@ -112,23 +199,20 @@ def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: 
             raise _bad(name, f"{name} is not supported (only 0)")
     if _float(body, "min_p", 0.0, 1.0, 0.0) != 0.0:
         raise _bad("min_p", "min_p is not supported (only 0)")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+    # chat: logprobs is a boolean; completions: the number of top tokens (OpenAI's types)
+    logprobs = _bool(body, "logprobs", False) if chat else _int(body, "logprobs", 0, 1 << 30, 0)
+    if logprobs:
         raise _bad("logprobs", "logprobs are not supported")
-    if body.get("logit_bias"):
+    if _int(body, "top_logprobs", 0, 1 << 30, 0):
+        raise _bad("top_logprobs", "logprobs are not supported")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise _bad("logit_bias", "logit_bias must be an object")
+    if logit_bias:
         raise _bad("logit_bias", "logit_bias is not supported")
-    room = context_limit - prompt_len
-    if room < 1:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; the context limit is {context_limit}, so at most "
-                            f"{context_limit - 1} prompt tokens leave room to generate",
-                       param="prompt", code="context_length_exceeded")
-    max_tokens = _int(body, "max_completion_tokens", 1, INT64 - 1, None)
-    max_tokens = _int(body, "max_tokens", 1, INT64 - 1, max_tokens)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise APIError(400, f"max_tokens {max_tokens} + the prompt's {prompt_len} tokens exceed the context limit "
-                            f"of {context_limit}; at most {room} new tokens fit", param="max_tokens",
-                       code="context_length_exceeded")
+    default = limits.max_tokens_limit if chat else min(limits.completion_max_tokens, limits.max_tokens_limit)
+    default = default if fits is None else min(default, fits)
+    max_tokens = _max_tokens(body, prompt_len, context_limit, default, limits.max_tokens_limit)
     temperature = _float(body, "temperature", 0.0, 2.0, 1.0)
     top_p = _float(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", -1, vocab_size, 0)
@@ -144,9 +228,7 @@ def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: 
         raise _bad("stop", f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
     for s in stop:
         _check_text("stop", s)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _bad("ignore_eos", "ignore_eos must be a boolean")
+    ignore_eos = _bool(body, "ignore_eos", False)
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
         seed=None if seed is None else seed % INT64, stop=tuple(stop), ignore_eos=ignore_eos,
@@ -154,16 +236,16 @@ def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: 
 
 
 def parse_stream(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("stream", "stream must be a boolean")
-    opts = body.get("stream_options") or {}
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
     if not isinstance(opts, dict):
         raise _bad("stream_options", "stream_options must be an object")
     usage = opts.get("include_usage", False)
-    if not isinstance(usage, bool):
+    if usage is not None and not isinstance(usage, bool):
         raise _bad("stream_options.include_usage", "include_usage must be a boolean")
-    return stream, usage
+    return stream, bool(usage)
 
 
 def completion_prompt(body: dict, encode, vocab_size: int) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 
 from verispec.config import EngineConfig
@@ -11,23 +10,15 @@ from verispec.engine.engine import Engine
 from verispec.errors import ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
-from verispec.serve.app import ServerState, create_app
+from verispec.serve.app import ServerState, create_app, is_loopback
 from verispec.serve.chat import ChatTemplate
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from verispec.serve.protocol import ServeLimits
 
 
 def build_state(
     target_dir: Path, config: EngineConfig, *, dtype: str = "bf16", api_key: str | None = None,
     model_name: str | None = None, max_body_bytes: int = 4 << 20, context_limit: int | None = None,
-    drafters: tuple[str, ...] = (),
+    drafters: tuple[str, ...] = (), limits: ServeLimits = ServeLimits(),
 ) -> ServerState:
     """`drafters`: specs requests may choose besides the engine's default (built now, so a bad one fails at
     startup)."""
@@ -39,7 +30,8 @@ def build_state(
         engine.drafter(spec)  # a bad drafter fails at startup, not on the first request
     return ServerState(
         engine=AsyncEngine(engine).start(), tokenizer=tokenizer, model_name=model_name or Path(target_dir).name,
-        api_key=api_key, max_body_bytes=max_body_bytes, chat=ChatTemplate.from_dir(target_dir), drafters=drafters,
+        api_key=api_key, max_body_bytes=max_body_bytes, limits=limits, chat=ChatTemplate.from_dir(target_dir),
+        drafters=drafters,
     )
 
 
