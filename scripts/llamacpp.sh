@@ -18,16 +18,24 @@ src="$dir/src/llama_cpp_python-$version"
 native="-DGGML_NATIVE=ON"
 jobs="$(nproc 2>/dev/null || echo 2)"
 mkdir -p "$dir"
+did=""  # set when this run builds or installs something: the last line then says where it went
+
+if [ ! -f "$dir/bin/recipe" ] || ! ls "$dir"/wheel/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  echo "llamacpp.sh: building llama.cpp $version for this CPU, once (about 10 minutes on 2 cores; later runs" \
+    "reuse $dir; VERISPEC_LLAMACPP=0 makes scripts/test.sh skip this and the llama.cpp tests)" >&2
+fi
 
 if [ ! -f "$src/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
-  echo "llamacpp.sh: fetching the llama-cpp-python $version sdist" >&2
+  echo "llamacpp.sh: [1/4] fetching the llama-cpp-python $version sdist" >&2
+  did=1
   rm -rf "$dir/src" && mkdir -p "$dir/src"
   "${pip[@]}" download --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$dir/src"
   tar xzf "$dir/src/llama_cpp_python-$version.tar.gz" -C "$dir/src"
 fi
 
 if ! ls "$dir"/wheel/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "llamacpp.sh: building the llama-cpp-python wheel ($native; log in $dir/wheel.log)" >&2
+  echo "llamacpp.sh: [2/4] building the llama-cpp-python wheel ($native; the longest step; log in $dir/wheel.log)" >&2
+  did=1
   # --no-cache-dir: pip's wheel cache does not know which CPU a native build is for
   CMAKE_ARGS="$native" nice -n 10 "${pip[@]}" wheel --no-deps --no-cache-dir -w "$dir/wheel" \
     "$dir/src/llama_cpp_python-$version.tar.gz" > "$dir/wheel.log" 2>&1 || { tail -20 "$dir/wheel.log"; exit 1; }
@@ -35,6 +43,8 @@ fi
 
 stamp="$venv/.verispec-llamacpp"  # which build .venv holds: a .venv moved to another CPU gets that CPU's
 if [ "$(cat "$stamp" 2>/dev/null)" != "$dir" ] || ! "$py" -c "import llama_cpp" 2>/dev/null; then
+  echo "llamacpp.sh: [3/4] installing it and the \`llama\` extra into $venv" >&2
+  did=1
   "${pip[@]}" install --force-reinstall --no-deps "$dir"/wheel/llama_cpp_python-*.whl
   "${pip[@]}" install -e "$root[llama]"  # gguf and the binding's own dependencies; the pin is now satisfied
   echo "$dir" > "$stamp"
@@ -43,7 +53,8 @@ fi
 bins=(llama-speculative llama-lookup llama-bench)
 recipe="static, native, log flushed at exit"  # change it to rebuild the binaries of an existing cache
 if [ "$(cat "$dir/bin/recipe" 2>/dev/null)" != "$recipe" ]; then
-  echo "llamacpp.sh: building ${bins[*]} (log in $dir/build.log)" >&2
+  echo "llamacpp.sh: [4/4] building ${bins[*]} (log in $dir/build.log)" >&2
+  did=1
   # llama.cpp leaks its logger at exit, so lines still queued when main returns can be lost (its issue 22142), and
   # llama-speculative and llama-lookup print their output and counters last: flush the log before main returns.
   for f in examples/speculative/speculative.cpp examples/lookup/lookup.cpp; do
@@ -66,4 +77,4 @@ if [ "$(cat "$dir/bin/recipe" 2>/dev/null)" != "$recipe" ]; then
   echo "$recipe" > "$dir/bin/recipe"
   rm -rf "$dir/build"  # the objects (hundreds of MB); the three binaries are what is kept
 fi
-echo "llamacpp.sh: llama-cpp-python $version in $venv; binaries in $dir/bin" >&2
+[ -z "$did" ] || echo "llamacpp.sh: done: llama-cpp-python $version in $venv; binaries in $dir/bin" >&2

@@ -2,8 +2,11 @@
 # The main job on a fresh machine: bootstraps .venv, then generates speculatively with the shipped model zoo
 # and compares with plain decoding (exactness and speedup). Extra arguments go to `verispec generate`.
 #
+# The drafter is `verispec generate`'s default: the zoo's fastest for its target (lookup:dspark:zoo/dspark, or
+# ngram without zoo/dspark), at k=8. It prints the prompt, the continuation, and plain and speculative decoding
+# timed in 5 interleaved repeats (equal_to_plain for each, median speedups end to end and per output token).
 # Without a zoo target (zoo/target), it falls back to a random-init ~49M Llama written to .cache/ on first
-# use. Pass `--target DIR` to use any local Hugging Face Llama/Qwen2/Qwen3/Mistral checkpoint instead.
+# use (drafted by ngram). Pass `--target DIR` to use any local Hugging Face Llama/Qwen2/Qwen3/Mistral checkpoint.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/bootstrap.sh"
@@ -18,4 +21,4 @@ fi
 if [[ " $* " != *" --prompt"* ]]; then
   args+=(--prompt-file "$root/scripts/demo_prompt.py")
 fi
-exec "$py" -m verispec generate --drafter ngram --k 8 --max-tokens 128 --compare "${args[@]}"
+exec "$py" -m verispec generate --k 8 --max-tokens 128 --compare --repeats 5 "${args[@]}"

@@ -26,6 +26,25 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(1)
 
 
+def no_native_reason() -> str:
+    """The skip reason of a test that needs verispec's native kernels (verispec.kernels): why they are off in this
+    process, and what turns them on."""
+    from verispec.kernels import native
+
+    if os.environ.get("VERISPEC_NATIVE", "1") == "0" or os.environ.get("VERISPEC_KERNELS") == "off":
+        why = "VERISPEC_NATIVE=0 or VERISPEC_KERNELS=off turns them off: unset it"
+    else:
+        try:
+            runnable = native.cpu_features()
+        except (OSError, RuntimeError) as e:  # no C compiler, or the CPU probe did not build
+            why = f"{e}: install a C compiler (gcc or clang, or point $CC at one)"
+        else:
+            why = ("this CPU has no AVX2 + FMA (x86-64 only)" if not runnable else
+                   f"this CPU runs {', '.join(sorted(runnable))} but the kernels did not build or load "
+                   f"(VERISPEC_KERNELS={os.environ.get('VERISPEC_KERNELS', 'auto')}; verispec's warning says why)")
+    return f"needs verispec's native CPU kernels (x86-64 with AVX2 + FMA, and a C compiler): {why}"
+
+
 def tiny_config(vocab_size: int = 97, model_type: str = "llama", **kw) -> ModelConfig:
     base = dict(
         model_type=model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from _markov import tv_limit
-from conftest import tiny_model
+from conftest import no_native_reason, tiny_model
 from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair_joints
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
@@ -472,7 +472,7 @@ def test_full_vocab_spec_ignores_the_draft_vocabulary(tmp_path, target):
 def native_calls(monkeypatch):
     """Counts calls of the native block layer (and fails a test that expects it where the kernels are missing)."""
     if not native.available():
-        pytest.skip("native kernels unavailable on this machine")
+        pytest.skip(no_native_reason())
     calls = []
     inner = native.block_layer
 

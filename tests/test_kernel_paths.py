@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import no_native_reason, tiny_model
 
 from verispec.cache import KVCache, PackedBatch
 from verispec.config import SamplingParams, SpecConfig
@@ -21,7 +21,7 @@ from verispec.drafters.model import ModelDrafter
 from verispec.kernels import native
 
 BF16 = torch.bfloat16
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels need AVX2 + FMA and a C compiler")
+needs_native = pytest.mark.skipif(not native.available(), reason=no_native_reason())
 
 
 def _runnable() -> list[str]:
@@ -34,14 +34,14 @@ ISAS = _runnable()
 @pytest.fixture(params=ISAS or [None])
 def isa(request):
     if request.param is None:
-        pytest.skip("no native kernels here")
+        pytest.skip(no_native_reason())
     with native.use(request.param):
         yield request.param
 
 
 def test_this_cpu_runs_the_best_path_it_has():
     if not native.available():
-        pytest.skip("no native kernels here")
+        pytest.skip(no_native_reason())
     assert native.isa() == ISAS[-1]
     assert "avx2" in ISAS  # every path builds on AVX2 + FMA
 

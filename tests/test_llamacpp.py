@@ -18,19 +18,23 @@ from verispec.model import load_model, save_model
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n"
 N_CTX = 256
+# The second half of every skip reason here: how to get what is missing.
+HOW = (f"run `{lc.SETUP}` (it builds llama.cpp from source once per CPU, about 10 minutes on 2 cores; "
+       "scripts/test.sh runs it unless VERISPEC_LLAMACPP=0)")
 
 
 def _needs_binding() -> None:
-    pytest.importorskip("llama_cpp", reason=f"the `llama` extra is not installed: {lc.SETUP}")
+    pytest.importorskip("llama_cpp", reason=f"the `llama` extra (llama-cpp-python) is not installed: {HOW}")
     if not lc.converter().is_file():
-        pytest.skip(f"llama.cpp's converter is not unpacked: {lc.SETUP}")
+        pytest.skip(f"llama.cpp's GGUF converter is not unpacked at {lc.converter()}: {HOW}")
 
 
 def _needs_binaries(*kinds: str) -> None:
     _needs_binding()
     for kind in kinds:
         if not (lc.build_dir() / "bin" / lc.BINARIES[kind]).is_file():
-            pytest.skip(f"llama.cpp's {lc.BINARIES[kind]} is not built for this CPU: {lc.SETUP}")
+            pytest.skip(f"llama.cpp's {lc.BINARIES[kind]} is not built for this CPU (no "
+                        f"{lc.build_dir() / 'bin' / lc.BINARIES[kind]}): {HOW}")
 
 
 @pytest.fixture(scope="module")

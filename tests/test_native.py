@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_model
+from conftest import no_native_reason, tiny_model
 from verispec.cache import KVCache
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters.model import ModelDrafter
 from verispec.kernels import native
 
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels need AVX2 + FMA and a C compiler")
+needs_native = pytest.mark.skipif(not native.available(), reason=no_native_reason())
 BF16 = torch.bfloat16
 
 

@@ -9,14 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import tiny_config
+from conftest import no_native_reason, tiny_config
 from verispec.cache import KVCache
 from verispec.model import Transformer, load_model, save_model
 from verispec.model.packing import PackedLinear, packing_supported
 
-needs_packing = pytest.mark.skipif(
-    not packing_supported(torch.zeros(1, 1)), reason="native kernels (weight packing) are unavailable here"
-)
+needs_packing = pytest.mark.skipif(not packing_supported(torch.zeros(1, 1)), reason=no_native_reason())
 
 
 def _linear(bias: bool = True) -> nn.Linear:
@@ -92,8 +90,7 @@ def test_float64_is_not_packed():
     torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)),
-                    reason="bf16 is packed only on CPUs without native bf16")
+@pytest.mark.skipif(not packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)), reason=no_native_reason())
 def test_bf16_pack_is_a_bf16_matmul():
     """fp32 accumulation of the bf16 operands, rounded to bf16: at most one bf16 rounding step from bf16 F.linear
     at several rows; at one row (native: the same sequential fp32 sum; oneDNN packs: F.linear itself) equal."""

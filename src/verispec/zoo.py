@@ -24,3 +24,11 @@ def default_drafter_spec() -> str | None:
     """The zoo's draft model as a drafter spec, if it ships one."""
     path = zoo_dir() / "drafter"
     return f"model:{path}" if (path / "config.json").is_file() else None
+
+
+def best_drafter_spec(zoo: Path | None = None) -> str:
+    """The zoo's fastest drafter for its target, as a drafter spec: prompt lookup over the DSpark drafter
+    (`lookup:dspark:DIR`, the fastest end to end in reports/cpu and reports/bench at k=8) where the zoo ships
+    one, else prompt lookup alone (`ngram`), which beat the draft model on every task of reports/bench."""
+    zoo = zoo_dir() if zoo is None else zoo
+    return f"lookup:dspark:{zoo / 'dspark'}" if (zoo / "dspark" / "config.json").is_file() else "ngram"
