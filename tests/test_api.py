@@ -51,7 +51,7 @@ def check_result(res, tokenizer, max_tokens: int) -> None:
 def test_generate_text_prompt_equals_plain(name, checkpoint_dir, draft_dir, tokenizer):
     """LLM(checkpoint, drafter=...) builds the named drafter; a text prompt gives one GenerationResult whose
     greedy tokens and text equal the plain (plain=True) run's."""
-    llm = LLM(checkpoint_dir, drafter=drafter_spec(name, draft_dir), k=4)
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter=drafter_spec(name, draft_dir), k=4)
     expected_type = {"none": type(None), "ngram": NgramDrafter, "ngram:2": NgramDrafter, "self": ModelDrafter,
                      "model-dir": ModelDrafter}[name]
     assert isinstance(llm.drafter, expected_type)
@@ -74,7 +74,7 @@ def test_generate_text_prompt_equals_plain(name, checkpoint_dir, draft_dir, toke
 def test_token_id_prompt_equals_text_prompt(checkpoint_dir, tokenizer):
     """A token-id prompt (list or tuple of ints) is one prompt, and gives the same result as the text it
     encodes."""
-    llm = LLM(checkpoint_dir, drafter="ngram", k=2)
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter="ngram", k=2)
     ids = tokenizer.encode(TEXT)
     by_text = llm.generate(TEXT, PARAMS)[0]
     for prompt in (ids, tuple(ids)):
@@ -87,7 +87,7 @@ def test_token_id_prompt_equals_text_prompt(checkpoint_dir, tokenizer):
 def test_list_of_prompts(checkpoint_dir, tokenizer):
     """A list of prompts (text and token ids mixed) gives one result per prompt, in order, each equal to the
     result of generating that prompt alone."""
-    llm = LLM(checkpoint_dir, drafter="model", k=3)
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter="model", k=3)
     prompts = ["The quick brown fox", tokenizer.encode("class Point:"), "naïve café ✓"]
     out = llm.generate(prompts, PARAMS)
     assert len(out) == 3
@@ -103,7 +103,7 @@ def test_list_of_prompts(checkpoint_dir, tokenizer):
 def test_stream_concatenates_to_result(name, checkpoint_dir, draft_dir, tokenizer):
     """LLM.stream yields StreamEvents whose token ids and text deltas concatenate to the final result (carried
     by the last event only), which equals generate()'s result."""
-    llm = LLM(checkpoint_dir, drafter=drafter_spec(name, draft_dir), k=4)
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter=drafter_spec(name, draft_dir), k=4)
     params = SamplingParams(max_tokens=30, stop=("zzz-not-there",))
     events = list(llm.stream(TEXT, params))
     assert all(isinstance(e, StreamEvent) for e in events)
@@ -119,7 +119,7 @@ def test_stream_concatenates_to_result(name, checkpoint_dir, draft_dir, tokenize
 def test_self_draft_stats_through_api(checkpoint_dir):
     """Self-drafting through the API accepts everything: tau == k + 1 and acceptance rate 1.0 (24 = 6 rounds
     of 4)."""
-    llm = LLM(checkpoint_dir, drafter="model", k=3)
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter="model", k=3)
     res = llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=24, ignore_eos=True))[0]
     assert len(res.token_ids) == 24 and res.finish_reason == "length"
     assert res.stats.tau == 4.0 and res.stats.acceptance_rate == 1.0 and res.stats.num_drafts == 6
@@ -127,7 +127,7 @@ def test_self_draft_stats_through_api(checkpoint_dir):
 
 def test_seeded_sampling_through_api(checkpoint_dir):
     """Seeded sampling through the API is reproducible; another seed gives another output."""
-    llm = LLM(checkpoint_dir, drafter="model", k=4)
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter="model", k=4)
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
     a = llm.generate(TEXT, params)[0].token_ids
     assert llm.generate(TEXT, params)[0].token_ids == a
@@ -160,7 +160,7 @@ def test_text_prompt_without_tokenizer_raises(tmp_path):
     m = tiny_model(vocab_size=97)
     save_model(m, tmp_path / "bare")
     for target in (m, tmp_path / "bare"):
-        llm = LLM(target, drafter="ngram")
+        llm = LLM(target, dtype="fp32", drafter="ngram")
         assert llm.tokenizer is None
         with pytest.raises(ConfigError):
             llm.generate("hello", PARAMS)
@@ -172,7 +172,25 @@ def test_text_prompt_without_tokenizer_raises(tmp_path):
 
 def test_invalid_prompt_through_api_raises(checkpoint_dir):
     """Empty and out-of-vocabulary prompts raise ConfigError through the API too."""
-    llm = LLM(checkpoint_dir, drafter="ngram")
+    llm = LLM(checkpoint_dir, dtype="fp32", drafter="ngram")
     for bad in ([[]], [[1, 2, 10**6]], [[-3]]):
         with pytest.raises(ConfigError):
             llm.generate(bad, PARAMS)
+
+
+def test_one_dtype_default(checkpoint_dir):
+    """LLM() and the CLI's generate, serve, bench and profile load the target in one default dtype, the config's
+    DEFAULT_DTYPE (bf16); the tests above pass dtype="fp32", where the exactness contract is tested."""
+    import inspect
+
+    import torch
+
+    from verispec.cli import build_parser
+    from verispec.config import DEFAULT_DTYPE
+
+    assert DEFAULT_DTYPE == "bf16"
+    assert inspect.signature(LLM).parameters["dtype"].default == DEFAULT_DTYPE
+    parser = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["serve"], ["bench"], ["profile"]):
+        assert parser.parse_args(argv).dtype == DEFAULT_DTYPE, argv
+    assert LLM(checkpoint_dir).target.dtype == torch.bfloat16

@@ -290,3 +290,31 @@ def test_cli_reports_checkpoint_error_in_one_line(problem, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert ("not found" if problem == "missing-dir" else "config.json") in lines[0]
+
+
+def test_wrong_drafter_kind_names_the_right_spec(tmp_path):
+    """Issue 19, defect 6: `model:DIR` (or a target) pointed at a block/dspark drafter's directory, whose config has
+    no model_type, says which spec loads it; `dspark:`/`block:` pointed at a model checkpoint says `model:DIR`. The
+    CLI prints that as its one error line."""
+    from test_block_drafter import make_block
+
+    from verispec.drafters.block import save_block_drafter
+
+    target = tiny_model(vocab_size=97)
+    save_model(target, tmp_path / "target")
+    save_block_drafter(make_block(target, head="markov", confidence=True), tmp_path / "dspark")
+    save_block_drafter(make_block(target), tmp_path / "block")
+    for kind in ("dspark", "block"):
+        path = tmp_path / kind
+        with pytest.raises(ConfigError, match=f"holds a verispec {kind} drafter.*{kind}:{path}"):
+            build_drafter(f"model:{path}", target=target, dtype=torch.float32, device=CPU)
+        with pytest.raises(ConfigError, match=f"{kind}:{path}"):
+            load_model(path)
+        with pytest.raises(ConfigError, match=f"llama model checkpoint.*model:{tmp_path / 'target'}"):
+            build_drafter(f"{kind}:{tmp_path / 'target'}", target=target, dtype=torch.float32, device=CPU)
+    proc = _cli("generate", "--target", str(tmp_path / "target"), "--drafter", f"model:{tmp_path / 'dspark'}",
+                "--prompt", "hi")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == (f"error: {tmp_path / 'dspark'} holds a verispec dspark drafter, not a model checkpoint; "
+                        f"use it as the drafter dspark:{tmp_path / 'dspark'}")

@@ -296,7 +296,7 @@ def test_wrong_number_of_generators_is_rejected():
 
 
 def test_temperature_scaling():
-    """logits_to_probs(l, T) == softmax(l / T), rows sum to 1, and T <= 0 is refused."""
+    """logits_to_probs(l, T) == softmax(l / T), rows sum to 1, and T <= 0 (or not finite) is refused."""
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(0)) * 3
     for temperature in (0.3, 0.7, 1.0, 1.3, 2.5):
         probs = sampling.logits_to_probs(logits, temperature)
@@ -305,7 +305,7 @@ def test_temperature_scaling():
         torch.testing.assert_close(probs.sum(-1), torch.ones(5))
     sharp, flat = sampling.logits_to_probs(logits, 0.5), sampling.logits_to_probs(logits, 2.0)
     assert bool((sharp.max(-1).values > flat.max(-1).values).all())
-    for bad in (0.0, -1.0):
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             sampling.logits_to_probs(logits, bad)
 

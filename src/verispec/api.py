@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.config import SamplingParams, SpecConfig
+from verispec.config import DEFAULT_DTYPE, SamplingParams, SpecConfig
 from verispec.decode import GenerationResult, StreamEvent, decode, decode_stream
 from verispec.drafters.base import Drafter, build_drafter
 from verispec.errors import ConfigError
@@ -34,7 +34,7 @@ class LLM:
         k: int = 4,
         verify: str = "auto",
         policy: str = SpecConfig.policy,
-        dtype: str | torch.dtype = "fp32",
+        dtype: str | torch.dtype = DEFAULT_DTYPE,
         device: str | torch.device = "cpu",
         tokenizer: Tokenizer | str | Path | None = None,
         context_limit: int | None = None,

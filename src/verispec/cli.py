@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from verispec.config import DECODE_POLICIES, SamplingParams, SpecConfig
+from verispec.config import DECODE_POLICIES, DEFAULT_DTYPE, DTYPES, SamplingParams, SpecConfig
 from verispec.errors import VerispecError
 
 
@@ -32,7 +32,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -122,7 +122,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-per-task", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--dtype", default=BenchConfig.dtype, choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=BenchConfig.dtype, choices=DTYPES)
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--llamacpp", default=None, metavar="ARMS",
                    help="llama.cpp arms interleaved with verispec's: comma-separated KIND[-QUANT] (plain, speculative, "
@@ -380,7 +380,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="required on every route but /health (or $VERISPEC_API_KEY)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_serve)
 
@@ -413,7 +413,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure the target's step time against tokens verified per step")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the profile here")
@@ -454,7 +454,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                         "the ones they will score (128, as in training, left the zoo's drafter underconfident on "
                         "500-750-token code prompts)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_calibrate)
 

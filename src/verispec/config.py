@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from verispec.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("fp32", "bf16")
+# The compute dtype of a loaded target wherever none is given: LLM(), and generate, serve, bench and profile on the
+# command line. The exactness contract's greedy equality is tested in fp32 (pass dtype="fp32").
+DEFAULT_DTYPE = "bf16"
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN and inf have no distribution
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -6,10 +6,14 @@ p for the target and q for the draft are always processed with the same paramete
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from verispec.config import SamplingParams
 from verispec.kernels import native
+
+_FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -27,20 +31,34 @@ def logits_to_probs(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> torch.Tensor:  # [..., V] fp32, rows sum to 1
-    """Processed sampling distribution. temperature must be > 0 (greedy does not need probabilities)."""
-    if temperature <= 0:
-        raise ValueError("logits_to_probs needs temperature > 0; use greedy() for temperature 0")
-    logits = logits.float() / temperature
+    """Processed sampling distribution. temperature must be finite and > 0 (greedy does not need probabilities).
+
+    Scaled as (l - max l) / T: the top logit maps to exactly 0 and every other one to a value <= 0 (-inf where it
+    overflows), so no temperature, however small, yields inf or NaN. Once exp((l_i - max l) / T) underflows for
+    every other token the row is the point mass on the argmax, which is softmax(l / T) to fp32 precision; exact
+    ties share the mass, as they do at every temperature."""
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"logits_to_probs needs a finite temperature > 0, got {temperature}; "
+                         "use greedy() for temperature 0")
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    if temperature < _FP32_TINY:  # T would round to a subnormal or 0 in fp32 (0 / 0 = NaN): divide in fp64
+        logits = (shifted.double() / temperature).float()
+    else:
+        logits = shifted / temperature
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # Stable: among equal logits the lowest token id comes first, as in greedy().
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+        # The top token always stays (a top_p below fp32's range would otherwise compare 0 >= 0 and drop it).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)

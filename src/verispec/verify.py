@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.sampling import greedy
+from verispec.sampling import greedy, sample
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -124,12 +124,6 @@ def _per_row(generators: Sequence[torch.Generator | None], batch: int) -> Sequen
     return generators
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample from each row of probs [R, V] with one Exp(1) draw per entry (same as sampling.sample)."""
-    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(1.0, generator=generator)
-    return (probs.float() / noise).argmax(dim=-1)
-
-
 def sample_match_verify(
     draft_tokens: torch.Tensor,  # [N]
     num_draft: torch.Tensor,  # [B]
@@ -142,7 +136,7 @@ def sample_match_verify(
     samples = torch.zeros(batch, width, dtype=torch.long, device=target_probs.device)
     for b, g in enumerate(_per_row(generators, batch)):
         # Each request draws exactly (k_b + 1) x V noise: its tokens never depend on the rest of the batch.
-        samples[b, : ks[b] + 1] = _race(target_probs[layout.target_index[b, : ks[b] + 1]], g)
+        samples[b, : ks[b] + 1] = sample(target_probs[layout.target_index[b, : ks[b] + 1]], g)
     drafts = _padded_drafts(draft_tokens, layout)
     num_accepted = _leading_true((drafts == samples[:, :-1]) & layout.draft_valid)
     final = samples.gather(1, num_accepted[:, None]).squeeze(1)
@@ -188,5 +182,5 @@ def rejection_verify(
     # A zero residual only happens through rounding when p == q; p itself is then the right distribution.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_final)
     final_probs = torch.where(rejected[:, None], residual, p_final)
-    final = torch.stack([_race(final_probs[b : b + 1], g)[0] for b, g in enumerate(generators)])
+    final = torch.stack([sample(final_probs[b : b + 1], g)[0] for b, g in enumerate(generators)])
     return VerifyOutput(_commit(drafts, final, num_accepted), num_accepted)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
-from verispec.config import SamplingParams, SpecConfig
+from verispec.config import DEFAULT_DTYPE, SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters.block import load_block_drafter, save_block_drafter
 from verispec.model import load_model
@@ -59,7 +59,7 @@ class AblationConfig:
     prompts_per_task: int = 6
     max_tokens: int = 64
     calibration_prompts: int = 24
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
 
 
 def _task_prompts(tokenizer: Tokenizer, n: int) -> dict[str, list[list[int]]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
-from verispec.config import EngineConfig, SamplingParams
+from verispec.config import DEFAULT_DTYPE, EngineConfig, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
 from verispec.engine.profile import StepProfile, load_or_measure, plot_profile
@@ -47,7 +47,7 @@ class ServeBenchConfig:
     max_tokens: int = 64
     poisson_rates: tuple[float, ...] = (4.0,)
     poisson_requests: int = 24
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
     max_prompt_tokens: int = 384
     seed: int = 0
 

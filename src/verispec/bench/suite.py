@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
-from verispec.config import SamplingParams, SpecConfig
+from verispec.config import DEFAULT_DTYPE, SamplingParams, SpecConfig
 from verispec.decode import GenerationResult, decode
 from verispec.drafters import BENCH_SPECS, build_drafter
 from verispec.metrics import SpecStats
@@ -30,7 +30,7 @@ NEAR_TIE_LOGPROB = 0.05  # reliability.md A7: a bf16 divergence is explained if 
 @dataclass(frozen=True)
 class BenchConfig:
     target: Path
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
     ks: tuple[int, ...] = (2, 4, 8)
     prompts_per_task: int = 12
     max_tokens: int = 128

@@ -35,11 +35,12 @@ from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Ve
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
+from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.packing import linear, pack, weight_version
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
-KIND_KEY = "verispec_drafter"
+KIND_KEY = DRAFTER_KIND_KEY
 
 
 class BlockDrafter(Drafter):
@@ -330,12 +331,20 @@ def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftM
     config; a CheckpointError names whatever does not fit."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
+    if not cfg_file.is_file():
         raise CheckpointError(f"{path} is not a block drafter checkpoint (needs config.json and model.safetensors)")
     try:
         meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not a block drafter config: {e}") from None
+    if isinstance(meta, dict) and KIND_KEY not in meta and "model_type" in meta:
+        raise ConfigError(f"{path} holds a {meta['model_type']} model checkpoint, not a block drafter; "
+                          f"use it as the drafter model:{path}")
+    if not weights.is_file():
+        raise CheckpointError(f"{path} is not a block drafter checkpoint (needs config.json and model.safetensors)")
+    try:
         cfg = BlockConfig(**meta["block"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise CheckpointError(f"{cfg_file} is not a block drafter config: {e}") from None
     t, want = target_cfg, meta.get("target", {})
     for key in ("hidden_size", "vocab_size", "num_hidden_layers"):

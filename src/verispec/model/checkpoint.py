@@ -14,9 +14,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from verispec.config import ModelConfig
-from verispec.errors import CheckpointError
+from verispec.errors import CheckpointError, ConfigError
 from verispec.model.transformer import Transformer
 
+# The key of a block drafter's config.json naming its kind (block, dspark): see drafters.block.save_block_drafter.
+DRAFTER_KIND_KEY = "verispec_drafter"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -40,6 +42,10 @@ def load_config(path: str | Path) -> ModelConfig:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    kind = raw.get(DRAFTER_KIND_KEY) if isinstance(raw, dict) else None
+    if kind is not None:  # a block drafter's directory: no model_type, and it only runs beside its target
+        raise ConfigError(f"{path} holds a verispec {kind} drafter, not a model checkpoint; "
+                          f"use it as the drafter {kind}:{path}")
     return ModelConfig.from_hf_dict(raw)
 
 
