@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verispec.config import DECODE_POLICIES, DEFAULT_DTYPE, DTYPES, SamplingParams, SpecConfig
 from verispec.errors import VerispecError
+
+if TYPE_CHECKING:
+    from verispec.api import LLM
+    from verispec.decode import GenerationResult
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +22,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=Path, default=None,
                    help="target checkpoint directory, Hugging Face layout (default: the zoo's target)")
     p.add_argument("--drafter", default=None,
-                   help="ngram | ngram:MAX_N | model:DIR | model (self-draft) | none (plain decoding); "
-                        "default: the zoo's draft model, or ngram if the zoo has none")
+                   help="ngram | ngram:MAX_N | model:DIR | model (self-draft) | dspark:DIR | lookup:SPEC | none "
+                        "(plain decoding); default: with the zoo's target, the zoo's fastest drafter "
+                        "(lookup:dspark:zoo/dspark, else ngram), with any other target ngram")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (the most, with --policy dspark)")
     p.add_argument("--verify", default="auto", choices=["auto", "rejection", "sample-match"])
     p.add_argument("--policy", default=SpecConfig.policy, choices=list(DECODE_POLICIES),
@@ -38,7 +43,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file whose contents are the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--compare", action="store_true", help="also decode plainly: report equal_to_plain and speedup")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode plainly, interleaved (plain, speculative, plain, ...): report equal_to_plain "
+                        "per repeat and the median speedup, end to end and per output token")
+    p.add_argument("--repeats", type=int, default=3, help="plain/speculative pairs timed by --compare (default 3)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -53,50 +61,126 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise VerispecError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
     else:
         prompt = args.prompt
+    if args.compare and args.repeats < 1:
+        raise VerispecError(f"--repeats must be at least 1 (got {args.repeats})")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
-    from verispec.zoo import default_drafter_spec, default_target
+    from verispec.zoo import default_target
 
-    drafter = args.drafter or default_drafter_spec() or "ngram"
-    llm = LLM(args.target or default_target(), drafter=None if drafter == "none" else drafter, k=args.k,
+    target = args.target or default_target()
+    drafter = args.drafter or _default_drafter(target)
+    llm = LLM(target, drafter=None if drafter == "none" else drafter, k=args.k,
               verify=args.verify, policy=args.policy, dtype=args.dtype)
     if args.compare and llm.drafter is None:
         raise VerispecError("--compare needs a drafter (it compares speculative with plain decoding)")
+    if not args.json:
+        what = "plain decoding" if llm.drafter is None else f"drafter {drafter}, k {args.k}, policy {args.policy}"
+        print(f"target {target} ({args.dtype}), {what}", file=sys.stderr)
     if args.compare:
         # Warm both paths once so one-off allocation costs fall on neither measurement.
         warm = SamplingParams(max_tokens=2 * args.k + 2, ignore_eos=True)
         llm.generate(prompt, warm, plain=True)
         llm.generate(prompt, warm)
-    if args.json:
-        result = llm.generate(prompt, params)[0]
-    else:
-        result = None
+    result = None
+    if not args.json:
+        if args.compare:  # the prompt too, so the continuation reads in context (stdout: prompt + continuation)
+            print(f"--- prompt ({len(llm.encode(prompt))} tokens) ---", file=sys.stderr)
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+            newline = "" if prompt.endswith("\n") else "\n"
+            print(f"{newline}--- continuation (speculative) ---", file=sys.stderr)
         for event in llm.stream(prompt, params):
             sys.stdout.write(event.text)
             sys.stdout.flush()
             result = event.result or result
         sys.stdout.write("\n")
+        sys.stdout.flush()
+    pairs = _interleaved_runs(llm, prompt, params, args.repeats) if args.compare else []
+    if result is None:  # --json: the first timed speculative run, or a run of its own
+        result = pairs[0][1] if pairs else llm.generate(prompt, params)[0]
     out = result.to_dict()
+    out["drafter"] = None if llm.drafter is None else drafter
     if args.compare:
-        t0 = time.perf_counter()
-        plain = llm.generate(prompt, params, plain=True)[0]
-        plain_s = time.perf_counter() - t0
-        out["equal_to_plain"] = plain.token_ids == result.token_ids
-        out["speedup"] = plain_s / result.stats.elapsed_s if result.stats.elapsed_s > 0 else None
-        out["plain_tokens_per_s"] = plain.stats.tokens_per_s
+        out.update(_compare_summary(pairs, result))
     if args.json:
         print(json.dumps(out))
-    else:
-        s = out["stats"]
-        line = (f"[{len(result.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f}, "
-                f"acceptance {s['acceptance_rate']:.2f}, finish {result.finish_reason}")
-        if args.compare:
-            line += f", plain {out['plain_tokens_per_s']:.1f} tok/s, speedup {out['speedup']:.2f}x, " \
-                    f"equal_to_plain {out['equal_to_plain']}"
-        print(line + "]", file=sys.stderr)
+        return 0
+    s = out["stats"]
+    print(f"[{len(result.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f}, "
+          f"acceptance {s['acceptance_rate']:.2f}, finish {result.finish_reason}]", file=sys.stderr)
+    if args.compare:
+        _print_compare(out)
     return 0
+
+
+def _default_drafter(target: Path) -> str:
+    """The zoo's fastest drafter for the zoo's own target; prompt lookup (`ngram`, any vocabulary) for another."""
+    from verispec.zoo import best_drafter_spec, zoo_dir
+
+    return best_drafter_spec() if Path(target).resolve() == (zoo_dir() / "target").resolve() else "ngram"
+
+
+def _interleaved_runs(
+    llm: LLM, prompt: str, params: SamplingParams, repeats: int
+) -> list[tuple[GenerationResult, GenerationResult]]:
+    """(plain, speculative) results, run plain, speculative, plain, ... so machine load drifts over both alike."""
+    return [(llm.generate(prompt, params, plain=True)[0], llm.generate(prompt, params)[0]) for _ in range(repeats)]
+
+
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else 0.0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _compare_summary(pairs: list[tuple[GenerationResult, GenerationResult]], shown: GenerationResult) -> dict:
+    """Per-repeat records and their medians. A run's speed comes from its own stats: end to end (from the start of
+    decoding, the prompt's prefill included) and per output token (after the prefill, the work speculation can
+    remove). `speedup` (end to end), `equal_to_plain` (every repeat, and `shown`, the reported run) and
+    `plain_tokens_per_s` keep the meaning they had with a single run."""
+    import statistics
+
+    runs = []
+    for plain, spec in pairs:
+        p, s = plain.stats, spec.stats
+        r = {"equal_to_plain": spec.token_ids == plain.token_ids,
+             "tokens_per_s": s.tokens_per_s, "plain_tokens_per_s": p.tokens_per_s,
+             "decode_tokens_per_s": _rate(s.num_output_tokens, s.decode_s),
+             "plain_decode_tokens_per_s": _rate(p.num_output_tokens, p.decode_s)}
+        r["speedup"] = _ratio(r["tokens_per_s"], r["plain_tokens_per_s"])
+        r["decode_speedup"] = _ratio(r["decode_tokens_per_s"], r["plain_decode_tokens_per_s"])
+        runs.append(r)
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "equal_to_plain": all(r["equal_to_plain"] for r in runs) and shown.token_ids == pairs[0][0].token_ids,
+        "speedup": median("speedup"), "decode_speedup": median("decode_speedup"),
+        "plain_tokens_per_s": median("plain_tokens_per_s"), "median_tokens_per_s": median("tokens_per_s"),
+        "speedup_basis": "end to end, prompt prefill included; decode_speedup: per output token, after the prefill",
+        "repeats": runs,
+    }
+
+
+def _print_compare(out: dict) -> None:
+    runs = out["repeats"]
+    for i, r in enumerate(runs, 1):
+        print(f"repeat {i}: plain {r['plain_tokens_per_s']:.1f} tok/s, speculative {r['tokens_per_s']:.1f} tok/s: "
+              f"{_times(r['speedup'])} end to end, {_times(r['decode_speedup'])} per output token; "
+              f"equal_to_plain {r['equal_to_plain']}", file=sys.stderr)
+    print(f"speedup over plain decoding, median of {len(runs)} interleaved repeats: {_times(out['speedup'])} end to "
+          f"end (prompt prefill included), {_times(out['decode_speedup'])} per output token (after the prefill); "
+          f"equal_to_plain {out['equal_to_plain']} (every repeat)", file=sys.stderr)
+
+
+def _times(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
