@@ -1,6 +1,6 @@
 """verispec's own CPU kernels, compiled on first use and called through ctypes: the matmul of inference
-(`gemm.c`), attention of a few queries over a KV cache (`attention.c`), the greedy DSpark head loop
-(`markov.c`), a block drafter's layer in one call (`blocklayer.c`), the target's whole forward in one call
+(`gemm.c`) and its int8/int4 weight-only form (`qgemm.c`), attention of a few queries over a KV cache
+(`attention.c`), the greedy DSpark head loop (`markov.c`), a block drafter's layer in one call (`blocklayer.c`), the target's whole forward in one call
 (`decoder.c`) and the greedy argmax of logits (`argmax.c`). The matmul and attention compute a row (a token, a
 query) in one fixed order whatever else is in the call, so a verify step over 9 tokens gives each token what a
 one-token step gives it.
@@ -42,6 +42,7 @@ from verispec.paths import user_cache
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "decoder.c", "argmax.c"))
+QSOURCES = (Path(__file__).with_name("qgemm.c"),)  # a library of its own per ISA, built on first qlinear
 HEADERS = (Path(__file__).with_name("vecmath.h"),)  # included by the sources: part of the build's hash
 PROBE = Path(__file__).with_name("cpu.c")
 BLOCK = 16  # output columns per packed block (gemm.c)
@@ -63,6 +64,7 @@ FALLBACK_NOTE = ("matmuls and attention fall back to torch, whose result for a r
 _lock = threading.RLock()
 _state: dict[str, object] = {}  # "lib": the active library or None, once decided; "features": cpu.c's bits
 _libs: dict[str, ctypes.CDLL] = {}  # every variant loaded so far, by ISA
+_qlibs: dict[str, ctypes.CDLL] = {}  # qgemm.c's, by ISA
 
 
 def _compiler() -> str:
@@ -278,6 +280,133 @@ def linear(
     )
     if rc != 0:
         raise MemoryError("native matmul: out of memory")
+    return y
+
+
+# ---- weight-only int8 / int4 matmuls (qgemm.c) ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QPacked:
+    """A weight q [n, k] (int8, or int4 in [-8, 7]) with fp32 scales per output column and group of inputs, in
+    qgemm.c's layout: uint8 [n16 / 16, k / group, pair bytes * ceil(group / 2) + 64] (int4 nibbles of a pair in one
+    byte per column, int8 a pair's two 16-byte rows; then the group's 16 scales)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    bits: int
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _qlibrary() -> ctypes.CDLL:
+    """qgemm.c built for the active kernels' instruction set (use() and VERISPEC_KERNELS pick its path too); a
+    library of its own, so the other kernels neither wait for its build nor rebuild when it changes."""
+    name = isa()
+    if name is None:
+        raise RuntimeError("verispec native kernels are unavailable here: check qavailable() first")
+    with _lock:
+        if name not in _qlibs:
+            lib = build_library(f"q{name}", QSOURCES, (*FLAGS, *_ISA_FLAGS[name]))
+            i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+            lib.vs_qlinear.restype = cint
+            lib.vs_qlinear.argtypes = [ptr, cint, i64, i64, i64, ptr, cint, i64, ptr, i64, ptr, cint, cint]
+            _qlibs[name] = lib
+        return _qlibs[name]
+
+
+def qavailable() -> bool:
+    """Whether qlinear runs here: the native kernels do and qgemm.c builds (a failure is warned about once)."""
+    if not available():
+        return False
+    try:
+        _qlibrary()
+        return True
+    except (OSError, RuntimeError) as e:
+        if "qfail" not in _state:
+            _state["qfail"] = True
+            warnings.warn(f"verispec: int8/int4 kernels unavailable ({e})", stacklevel=2)
+        return False
+
+
+def qpack(
+    q: torch.Tensor,  # [N, K] int8 (bits 4: values in [-8, 7])
+    scales: torch.Tensor,  # [N, K // group] fp32 (group == K: one scale per output channel)
+    group: int,  # inputs per scale: divides K, even unless it is K
+    bits: int,  # 4 or 8
+) -> QPacked:
+    """qgemm.c's layout: blocks of 16 output columns, each a stream of its groups (weights by pair, then the
+    group's scales), pad columns zero; K padded to even (a zero weight) only where one group spans it."""
+    if bits not in (4, 8):
+        raise ValueError(f"native qpack: bits must be 4 or 8, got {bits}")
+    if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or not q.is_contiguous():
+        raise ValueError(f"native qpack: expected a contiguous CPU int8 [N, K] weight, got {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device}")
+    n, k = q.shape
+    if n == 0 or k == 0 or group <= 0 or k % group or (group % 2 and group != k):
+        raise ValueError(f"native qpack: group {group} must divide K = {k} and be even (or K itself)")
+    groups = k // group
+    if scales.dtype != torch.float32 or scales.device.type != "cpu" or tuple(scales.shape) != (n, groups) \
+            or not scales.is_contiguous():
+        raise ValueError(f"native qpack: expected contiguous CPU fp32 scales [{n}, {groups}], got {scales.dtype} "
+                         f"{tuple(scales.shape)} on {scales.device}")
+    if bits == 4 and n and (q.min() < -8 or q.max() > 7):
+        raise ValueError("native qpack: int4 weights must lie in [-8, 7]")
+    n16, g2 = -(-n // BLOCK) * BLOCK, -(-group // 2)
+    padded = q.new_zeros(n16, groups, 2 * g2)
+    padded[:n, :, :group] = q.view(n, groups, group)
+    pairs = padded.view(n16 // BLOCK, BLOCK, groups, g2, 2)  # [b, j, g, p, e]
+    if bits == 4:
+        nib = pairs.to(torch.int16) & 15
+        wbytes = (nib[..., 0] | nib[..., 1] << 4).to(torch.uint8).permute(0, 2, 3, 1)  # [b, g, p, j]
+    else:
+        wbytes = pairs.view(torch.uint8).permute(0, 2, 3, 4, 1)  # [b, g, p, e, j]
+    sc = scales.new_zeros(n16, groups)
+    sc[:n] = scales
+    sbytes = sc.view(n16 // BLOCK, BLOCK, groups).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
+    data = torch.cat([wbytes.reshape(n16 // BLOCK, groups, -1), sbytes], dim=2).contiguous()
+    return QPacked(data, n, k, bits, group)
+
+
+def qlinear(
+    x: torch.Tensor,  # [..., K] fp32 or bf16, CPU, contiguous
+    packed: QPacked,  # qpack(q [N, K], scales, group, bits)
+    bias: torch.Tensor | None = None,  # fp32 [N]
+    out_dtype: torch.dtype | None = None,  # fp32 or bf16; None: x's dtype
+) -> torch.Tensor:  # [..., N]
+    """y = x @ (q * scale)^T (+ b), fp32 accumulation (bf16 x as its fp32 values). Each output is one fixed chain
+    (see qgemm.c), so a row's result never depends on the rest of the batch, the thread count or the ISA path."""
+    lib = _qlibrary()
+    _cpu(x, "qlinear", (torch.float32, torch.bfloat16))
+    k, n = packed.k, packed.n
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"native qlinear: input has {x.shape[-1] if x.dim() else 0} features, the packed weight "
+                         f"takes {k}")
+    if not x.is_contiguous():
+        raise ValueError("native qlinear: the input must be contiguous")
+    if bias is not None:
+        _cpu(bias, "qlinear bias")
+        if bias.shape != (n,) or not bias.is_contiguous():
+            raise ValueError(f"native qlinear: the bias must be a contiguous fp32 [{n}], got {tuple(bias.shape)}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native qlinear: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    groups, g2 = k // packed.group, -(-packed.group // 2)
+    want = (-(-n // BLOCK), groups, g2 * BLOCK * packed.bits // 4 + 4 * BLOCK)  # pair bytes, then 16 scales
+    if tuple(packed.data.shape) != want or packed.data.dtype != torch.uint8 or not packed.data.is_contiguous():
+        raise ValueError(f"native qlinear: packed data {tuple(packed.data.shape)} is not qpack()'s {want}")
+    m = x.numel() // k
+    y = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
+    rc = lib.vs_qlinear(x.data_ptr(), x.dtype == torch.bfloat16, m, k, k, packed.data.data_ptr(), packed.bits,
+                        packed.group, _ptr(bias), n, y.data_ptr(), out_dtype == torch.bfloat16,
+                        torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("native qlinear: out of memory")
+    if rc != 0:
+        raise ValueError(f"native qlinear failed ({rc}): bits {packed.bits}, group {packed.group}, K {k}")
     return y
 
 

@@ -1,0 +1,231 @@
+/* Weight-only int8 / int4 matmuls for CPU inference: y[M, N] = x[M, K] @ (q * scale)[N, K]^T (+ bias), with q
+ * integers (int8, or int4 in [-8, 7]) and one fp32 scale per output column and group of `group` inputs (int8 per
+ * channel: group = K). x is fp32 or bf16 (used as its fp32 values), y fp32 or bf16 (rounded to nearest even).
+ *
+ * One source, compiled per instruction set like gemm.c (AVX2 + FMA 8-wide; AVX-512F and AVX-512 BF16 16-wide,
+ * the same code). Every output is one fixed chain, per group g in ascending order:
+ *
+ *   s = 0; for each pair (2p, 2p + 1) of g: s = fma(x[2p+1], q[2p+1], s); s = fma(x[2p], q[2p], s)
+ *   acc = fma(s, scale[g], acc)                                        (acc = 0 before the first group)
+ *
+ * then + bias, then the store. q converts to fp32 exactly, however a path unpacks it (AVX2: shifts and cvt;
+ * AVX-512: a 16-entry table through vpermps), so all paths agree bit for bit. The pair order is gemm.c's (odd,
+ * then even: vdpbf16ps's own), so a later AVX-512 BF16 path can take bf16 x through vdpbf16ps on the same chain.
+ * Threads split column blocks, never K, and tiles never change a chain: a row's result is the same whatever the
+ * number of rows in the call, the tile it falls in and the thread count.
+ *
+ * Packed weights (qpack() in native.py), in blocks of 16 output columns (N16 = N rounded up to 16, pad columns
+ * zero), each block one stream of its groups in order; a group of G2 = ceil(group / 2) pairs (K is padded to
+ * even with a zero only where one group spans it) is
+ *   int4: G2 x 16 bytes, byte j = q[n0 + j, 2p] & 15 | q[n0 + j, 2p + 1] << 4
+ *   int8: G2 x 32 bytes, 16 columns' q[., 2p], then 16 columns' q[., 2p + 1]
+ * then the group's 16 fp32 scales (64 bytes). An AVX2 vector takes the second 8 columns at +8 bytes (+32 for
+ * the scales). Rows are taken in gemm.c's tiles (wide: up to 6 rows x 64 columns; tall, for 7-12 rows: 12 x 32
+ * at 16 lanes, 12 x 8 at 8; AVX2's wide tiles are 6 x 16): a block's weights are unpacked once per pair and used
+ * by every row of the tile.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vecmath.h"
+
+#if defined(__AVX512F__)
+#define VW 16 /* fp32 lanes per vector */
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero() _mm512_setzero_ps()
+#define vbcast(p) _mm512_set1_ps(*(p))
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vloadf(p) _mm512_loadu_ps(p)
+#define vstoref(p, v) _mm512_storeu_ps(p, v)
+#define vcvt(i) _mm512_cvtepi32_ps(i)
+/* VW columns' bytes, sign-extended to int32 lanes */
+#define vbytes(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+/* int4: vpermps reads only an index's low 4 bits: the low nibble, or the high one after a shift */
+#define NIBBLE_TABLE const vf lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+#define v_lo4(e) _mm512_permutexvar_ps(e, lut)
+#define v_hi4(e) _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), lut)
+#else
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vzero() _mm256_setzero_ps()
+#define vbcast(p) _mm256_broadcast_ss(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vloadf(p) _mm256_loadu_ps(p)
+#define vstoref(p, v) _mm256_storeu_ps(p, v)
+#define vcvt(i) _mm256_cvtepi32_ps(i)
+#define vbytes(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define NIBBLE_TABLE
+#define v_lo4(e) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(e, 28), 28))
+#define v_hi4(e) _mm256_cvtepi32_ps(_mm256_srai_epi32(e, 4)) /* the byte was sign-extended: so is its high nibble */
+#endif
+
+#define BLOCK 16 /* columns per packed block */
+#define VPB (BLOCK / VW)
+#define MR_WIDE 6
+#define MR_TALL 12
+#define NV_WIDE (VW == 16 ? 4 : 2)
+#define NV_TALL (VW == 16 ? 2 : 1)
+#define SCALE_BYTES (BLOCK * 4)
+/* Prefetch distance and hint in each block's stream, as gemm.c's (a quarter or half as many bytes per pair). */
+#ifndef PREFETCH
+#define PREFETCH 1024
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+
+/* Store columns [n0, n0 + VW) of one output row plus the bias ([N] or NULL), clipped at N. */
+static inline void store_row(void *y, int out_bf16, int64_t n0, int64_t N, const float *bias, vf v) {
+    float tmp[VW];
+    const int64_t n = N - n0 < VW ? N - n0 : VW;
+    if (n <= 0) return;
+    if (bias && n == VW) {
+        v = vadd(v, vloadf(bias + n0));
+    } else if (bias) {
+        float b[VW] = {0};
+        memcpy(b, bias + n0, (size_t)n * sizeof(float));
+        v = vadd(v, vloadf(b));
+    }
+    vstoref(tmp, v);
+    if (out_bf16) {
+        uint16_t *o = (uint16_t *)y + n0;
+        for (int64_t i = 0; i < n; i++) o[i] = bf16_bits(tmp[i]);
+    } else {
+        memcpy((float *)y + n0, tmp, (size_t)n * sizeof(float));
+    }
+}
+
+/* One tile of R rows x NV vectors for BITS-bit weights. x: this tile's rows interleaved by pair,
+ * x[(p * R + m) * 2 + e] = x[m, 2p + e]; w: the first block's stream, blocks bstride bytes apart. R, NV and BITS
+ * are constants at each call site, so the loops unroll and the partial sums stay in registers; the group sums
+ * acc live in memory (touched once per group). */
+static inline __attribute__((always_inline)) void tile_q(const int R, const int NV, const int BITS, const float *x,
+                                                         int64_t G2, int64_t groups, const char *w, int64_t bstride,
+                                                         int64_t sxo, const float *bias, void *y, int64_t N,
+                                                         int out_bf16, int64_t n0) {
+    const int64_t pb = BITS == 4 ? BLOCK : 2 * BLOCK, gbytes = G2 * pb + SCALE_BYTES;
+    NIBBLE_TABLE
+    float acc[MR_TALL][NV_WIDE][VW] __attribute__((aligned(64)));
+    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) vstoref(acc[m][v], vzero());
+    for (int64_t g = 0; g < groups; g++) {
+        vf s[MR_TALL][NV_WIDE];
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vzero();
+        const char *wg = w + g * gbytes;
+        const float *xg = x + g * G2 * R * 2;
+        for (int64_t p = 0; p < G2; p++) {
+            const float *xp = xg + p * R * 2;
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                const char *wv = wg + (v / VPB) * bstride + p * pb + (v % VPB) * 8;
+                if (v % VPB == 0 && (BITS == 8 || (p & 1) == 0)) _mm_prefetch(wv + PREFETCH, PF_HINT);
+                vf w1, w0;
+                if (BITS == 4) {
+                    const vi e = vbytes(wv);
+                    w1 = v_hi4(e);
+                    w0 = v_lo4(e);
+                } else {
+                    w0 = vcvt(vbytes(wv));
+                    w1 = vcvt(vbytes(wv + BLOCK));
+                }
+                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                    s[m][v] = vfma(vbcast(xp + 2 * m + 1), w1, s[m][v]);
+                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                    s[m][v] = vfma(vbcast(xp + 2 * m), w0, s[m][v]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+            const char *sv = wg + (v / VPB) * bstride + G2 * pb + (v % VPB) * VW * 4 + sxo;
+            const vf sc = vloadf((const float *)sv);
+            _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                vstoref(acc[m][v], vfma(s[m][v], sc, vloadf(acc[m][v])));
+        }
+    }
+    const size_t elt = out_bf16 ? 2 : 4;
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+            store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
+}
+
+/* One out-of-line function per (bits, rows, vectors), as gemm.c's: each tile gets the whole register file. */
+typedef void (*qtile_fn)(const float *x, int64_t G2, int64_t groups, const char *w, int64_t bstride, int64_t sxo,
+                         const float *bias, void *y, int64_t N, int ob, int64_t n0);
+#define INST1(BITS, R, NV)                                                                                         \
+    static __attribute__((noinline)) void q##BITS##_##R##_##NV(const float *x, int64_t G2, int64_t groups,         \
+                                                               const char *w, int64_t bstride, int64_t sxo,       \
+                                                               const float *bias, void *y, int64_t N, int ob,     \
+                                                               int64_t n0) {                                      \
+        tile_q(R, NV, BITS, x, G2, groups, w, bstride, sxo, bias, y, N, ob, n0);                                   \
+    }
+#if VW == 16
+#define INST_WIDE(B, R) INST1(B, R, 1) INST1(B, R, 2) INST1(B, R, 3) INST1(B, R, 4)
+#define INST_TALL(B, R) INST1(B, R, 1) INST1(B, R, 2)
+#define ROW_WIDE(B, R) {q##B##_##R##_1, q##B##_##R##_2, q##B##_##R##_3, q##B##_##R##_4}
+#define ROW_TALL(B, R) {q##B##_##R##_1, q##B##_##R##_2, 0, 0}
+#else
+#define INST_WIDE(B, R) INST1(B, R, 2)
+#define INST_TALL(B, R) INST1(B, R, 1)
+#define ROW_WIDE(B, R) {0, q##B##_##R##_2}
+#define ROW_TALL(B, R) {q##B##_##R##_1, 0}
+#endif
+#define INST_ALL(B)                                                                                                \
+    INST_WIDE(B, 1) INST_WIDE(B, 2) INST_WIDE(B, 3) INST_WIDE(B, 4) INST_WIDE(B, 5) INST_WIDE(B, 6)                \
+    INST_TALL(B, 7) INST_TALL(B, 8) INST_TALL(B, 9) INST_TALL(B, 10) INST_TALL(B, 11) INST_TALL(B, 12)             \
+    static const qtile_fn q##B##_table[MR_TALL + 1][NV_WIDE] = {                                                    \
+        {0}, ROW_WIDE(B, 1), ROW_WIDE(B, 2), ROW_WIDE(B, 3), ROW_WIDE(B, 4), ROW_WIDE(B, 5), ROW_WIDE(B, 6),       \
+        ROW_TALL(B, 7), ROW_TALL(B, 8), ROW_TALL(B, 9), ROW_TALL(B, 10), ROW_TALL(B, 11), ROW_TALL(B, 12)};
+
+INST_ALL(4)
+INST_ALL(8)
+
+/* x: [M, K] rows ldx elements apart, fp32 or bf16 (in_bf16); wp: packed weight (see the top) of `bits` (4, 8)
+ * with `group` inputs per scale; bias: fp32 [N] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32. Tiles as
+ * vs_linear's (gemm.c). Returns 0, -1 if out of memory, -2 for bits, group or K the layout cannot hold. */
+int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int bits,
+               int64_t group, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+    if ((bits != 4 && bits != 8) || group <= 0 || K <= 0 || K % group || (group % 2 && group != K)) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int wide = M <= MR_WIDE || M > MR_TALL;
+    const int64_t nv_unit = wide ? NV_WIDE : NV_TALL, mr = wide ? MR_WIDE : MR_TALL;
+    const int64_t groups = K / group, G2 = (group + 1) / 2, K2 = groups * G2;
+    /* x rearranged per chunk of mr rows, chunk c at offset c * mr * K2 * 2 floats, interleaved by pair */
+    float *xbuf = malloc((size_t)(M * K2 * 2) * sizeof(float));
+    if (!xbuf) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += mr) {
+        const int64_t rows = M - m0 < mr ? M - m0 : mr;
+        float *dst = xbuf + m0 * K2 * 2;
+        for (int64_t m = 0; m < rows; m++) {
+            const char *src = (const char *)x + (size_t)(m0 + m) * ldx * (in_bf16 ? 2 : 4);
+            for (int64_t k = 0; k < 2 * K2; k++) {
+                float v = 0.0f;
+                if (k < K) v = in_bf16 ? bf16_value(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+                dst[((k / 2) * rows + m) * 2 + (k % 2)] = v;
+            }
+        }
+    }
+    const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
+    const int64_t bstride = groups * (G2 * (bits == 4 ? BLOCK : 2 * BLOCK) + SCALE_BYTES);
+    const size_t yelt = out_bf16 ? 2 : 4;
+    const qtile_fn(*table)[NV_WIDE] = bits == 4 ? q4_table : q8_table;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t v0 = u * nv_unit, nv = nvec - v0 < nv_unit ? nvec - v0 : nv_unit;
+        const int64_t n0 = v0 * VW;
+        /* a unit starting at an AVX2 block's second half (tall tiles: one vector): its columns +8 bytes into each
+         * pair, its scales +32 (24 more than the +8 already in w) */
+        const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * 8;
+        for (int64_t m0 = 0; m0 < M; m0 += mr) {
+            const int rows = (int)(M - m0 < mr ? M - m0 : mr);
+            table[rows][nv - 1](xbuf + m0 * K2 * 2, G2, groups, wb, bstride, (v0 % VPB) * 24, bias,
+                                (char *)y + (size_t)m0 * N * yelt, N, out_bf16, n0);
+        }
+    }
+    free(xbuf);
+    return 0;
+}
