@@ -1244,7 +1244,8 @@ def test_chat_template_failure_is_closed_over_http(tmp_path, tokenizer):
 
     async def main() -> None:
         transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        # a loopback Host: the server has no key, so it refuses other names (DNS rebinding)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             r = await c.post(CH, json={"messages": CHAT, "max_tokens": 2})
             err = assert_error(r, 500, type_="server_error")
             assert "__" not in err["message"] and "class" not in err["message"]
