@@ -12,10 +12,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.transformer import Transformer
+from verispec.quant.format import parse_quant_config, take_quantized
+from verispec.quant.linear import QuantLinear
 
 # The key of a block drafter's config.json naming its kind (block, dspark): see drafters.block.save_block_drafter.
 DRAFTER_KIND_KEY = "verispec_drafter"
@@ -83,12 +86,34 @@ def _more(names: list[str]) -> str:
     return f" (+{len(names) - 1} more)" if len(names) > 1 else ""
 
 
+def _take_quantized(
+    path: str | Path, model: Transformer, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+    """A quantized checkpoint's Linears (see quant.format), checked and unpacked, their tensors taken out of
+    `state` and `expected`; {} for a dense checkpoint."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    if "quantization_config" not in raw:
+        return {}
+    qcfg = parse_quant_config(raw["quantization_config"], path)
+    tied = model.config.tie_word_embeddings
+    if not tied and qcfg.scheme_for("lm_head") is not None:
+        raise CheckpointError(f"{path}: a quantized lm_head is unsupported (add it to quantization_config.ignore)")
+    linears = {name: (m.out_features, m.in_features, m.bias is not None)
+               for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+    quantized = take_quantized(state, linears, qcfg, path)
+    for name in quantized:
+        expected.pop(f"{name}.weight")
+        expected.pop(f"{name}.bias", None)
+    return quantized
+
+
 def load_model(
     path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu", pack: bool = True
 ) -> Transformer:
     """Build the model from `config.json` and fill it from the safetensors weights, checking every tensor.
 
-    The model is prepared for inference: fused projections and, with `pack` (where supported), packed weights."""
+    The model is prepared for inference: fused projections and, with `pack` (where supported), packed weights.
+    A checkpoint with a compressed-tensors `quantization_config` gets QuantLinears (verispec.quant.format)."""
     cfg = load_config(path)
     state = load_state_dict(path)
     with torch.device("meta"):
@@ -97,6 +122,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
+    quantized = _take_quantized(path, model, state, expected)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]}" + _more(missing))
@@ -115,6 +141,10 @@ def load_model(
     model.load_state_dict({k: state[k].to(dt) for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for name, (q, scales, bits, bias) in quantized.items():
+        parent, _, child = name.rpartition(".")
+        bias = None if bias is None else bias.to(dt)
+        setattr(model.get_submodule(parent), child, QuantLinear(q, scales, bits, bias))
     # Non-persistent buffers (RoPE tables) were built on the meta device: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     model = model.to(device).eval().fuse_projections()

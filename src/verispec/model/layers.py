@@ -16,6 +16,7 @@ from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 from verispec.kernels import native
 from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
+from verispec.quant.linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -112,14 +113,20 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
         self.qkv_packed: PackedWeight | None = None  # set by pack()
+        self.qkv_quant: QuantLinear | None = None  # set by fuse() where the projections are quantized
 
     def fuse(self) -> None:
+        if isinstance(self.q_proj, QuantLinear):  # a quantized checkpoint: fused as one QuantLinear (no .weight)
+            self.qkv_quant = QuantLinear.concat([self.q_proj, self.k_proj, self.v_proj])
+            return
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def pack(self) -> None:
-        """Inference only, after fuse(): the matmuls this layer runs use packed weights (see model.packing)."""
+        """Inference only, after fuse(): the matmuls this layer runs use packed weights (see model.packing).
+        QuantLinears pack themselves on first use."""
         self.qkv_packed = pack(self.qkv_weight)
-        self.o_proj = PackedLinear(self.o_proj)
+        if isinstance(self.o_proj, nn.Linear):
+            self.o_proj = PackedLinear(self.o_proj)
 
     def forward(
         self,
@@ -147,6 +154,8 @@ class Attention(nn.Module):
         if self.qkv_weight is not None:
             qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
             qkv = qkv.view(bsz, seqlen, nq + 2 * nkv, self.head_dim)
+        elif self.qkv_quant is not None:
+            qkv = self.qkv_quant(x).view(bsz, seqlen, nq + 2 * nkv, self.head_dim)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(
                 bsz, seqlen, nq + 2 * nkv, self.head_dim
@@ -183,18 +192,25 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
         self.gate_up_packed: PackedWeight | None = None  # set by pack()
+        self.gate_up_quant: QuantLinear | None = None  # set by fuse() where the projections are quantized
 
     def fuse(self) -> None:
+        if isinstance(self.gate_proj, QuantLinear):
+            self.gate_up_quant = QuantLinear.concat([self.gate_proj, self.up_proj])
+            return
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
 
     def pack(self) -> None:
         """Inference only, after fuse(): the matmuls this MLP runs use packed weights (see model.packing)."""
         self.gate_up_packed = pack(self.gate_up_weight)
-        self.down_proj = PackedLinear(self.down_proj)
+        if isinstance(self.down_proj, nn.Linear):
+            self.down_proj = PackedLinear(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate, up = linear(x, self.gate_up_weight, None, self.gate_up_packed).chunk(2, dim=-1)
+        elif self.gate_up_quant is not None:
+            gate, up = self.gate_up_quant(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -13,6 +13,7 @@ from verispec.config import ModelConfig
 from verispec.model.fused import FusedForward
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from verispec.model.packing import PackedLinear, pack_nbytes, packing_supported, physical_memory
+from verispec.quant.linear import QuantLinear
 
 
 @contextmanager
@@ -73,13 +74,19 @@ class Transformer(nn.Module):
             layer.mlp.pack()
         self.lm_head = PackedLinear(self.lm_head)
         cfg = self.config
-        if cfg.head_dim % 8 == 0 and cfg.head_dim <= 256:
+        # decoder.c takes dense packs only: a model with QuantLinears keeps the per-layer path.
+        if cfg.head_dim % 8 == 0 and cfg.head_dim <= 256 and not self.quantized:
             self.fused = FusedForward(self)
         return self
 
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some matmuls hold int8/int4 weights (verispec.quant, loaded from a quantized checkpoint)."""
+        return any(isinstance(m, QuantLinear) for m in self.modules())
 
     @property
     def packed(self) -> bool:

@@ -1,0 +1,199 @@
+"""Quantized checkpoints in compressed-tensors' "pack-quantized" format, as vLLM and llmcompressor read and write
+them (checked against compressed-tensors 0.20: compressors/pack_quantized, quantization/quant_config.py).
+
+Per quantized Linear `<name>` the safetensors file holds
+- `<name>.weight_packed`: int32 [out, ceil(in * bits / 32)], quant.bits' packing of the values q;
+- `<name>.weight_scale`: [out, in / group] (group strategy) or [out, 1] (channel), in the model's dtype;
+- `<name>.weight_shape`: int64 [2], (out, in);
+and everything else (embeddings, norms, biases, ignored Linears such as lm_head) as ordinary dense tensors. The
+config.json of the model gains `quantization_config` (see `quant_config_dict`). A Linear is quantized when a config
+group's `targets` match it ("Linear", its exact name, or "re:" + a regex matched at the start of its name, as
+compressed-tensors' utils/match.py does) and `ignore` does not. Only what verispec computes is accepted: symmetric
+int weights of 4 or 8 bits, group (32/64/128) or channel scales, no activation or KV-cache quantization; anything
+else is a CheckpointError naming what is wrong, raised before any module is built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from verispec.errors import CheckpointError, ConfigError
+from verispec.quant.bits import pack_int32, packed_words, unpack_int32
+from verispec.quant.scheme import QuantScheme
+
+QUANT_METHOD = "compressed-tensors"
+FORMAT = "pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's quantization_config, reduced to what loading needs."""
+
+    groups: tuple[tuple[tuple[str, ...], QuantScheme], ...]  # (targets, scheme) per config group
+    ignore: tuple[str, ...] = ()
+
+    def scheme_for(self, name: str) -> QuantScheme | None:
+        """The scheme of the nn.Linear named `name`, or None where it stays dense."""
+        if any(_matches(t, name) for t in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == "Linear" or _matches(t, name) for t in targets):
+                return scheme
+        return None
+
+
+def _matches(target: str, name: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _scheme(group: str, weights: Any, where: str) -> QuantScheme:
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{where}: quantization_config group {group} has no weight quantization (weights)")
+    if weights.get("type", "int") != "int":
+        raise CheckpointError(f"{where}: unsupported weight type {weights.get('type')!r} in group {group} (int only)")
+    if not weights.get("symmetric", True):
+        raise CheckpointError(f"{where}: asymmetric quantization (group {group}) is unsupported; symmetric only")
+    if weights.get("dynamic", False):
+        raise CheckpointError(f"{where}: dynamic weight quantization (group {group}) is unsupported")
+    if weights.get("actorder") not in (None, "static", "weight"):
+        raise CheckpointError(f"{where}: actorder {weights.get('actorder')!r} (group {group}) needs a g_idx; "
+                              "unsupported")
+    strategy, group_size = weights.get("strategy"), weights.get("group_size")
+    if strategy == "channel":
+        group_size = None
+    elif strategy != "group":
+        raise CheckpointError(f"{where}: unsupported weight strategy {strategy!r} in group {group} "
+                              "(group or channel)")
+    try:
+        return QuantScheme(bits=int(weights.get("num_bits", 0)), group_size=group_size)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: group {group}: {e}") from None
+
+
+def parse_quant_config(qc: Any, where: str | Path) -> QuantConfig:
+    """config.json's quantization_config -> QuantConfig, or a CheckpointError saying what is unsupported."""
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{where}: quantization_config is not an object")
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise CheckpointError(f"{where}: unsupported quant_method {qc.get('quant_method')!r} "
+                              f"(verispec reads {QUANT_METHOD})")
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise CheckpointError(f"{where}: quantization_status {qc.get('quantization_status')!r}: verispec reads "
+                              "compressed checkpoints only")
+    if qc.get("kv_cache_scheme") is not None:
+        raise CheckpointError(f"{where}: KV-cache quantization (kv_cache_scheme) is unsupported")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{where}: quantization_config has no config_groups")
+    parsed = []
+    for gname, g in groups.items():
+        fmt = g.get("format") or qc.get("format")
+        if fmt != FORMAT:
+            raise CheckpointError(f"{where}: unsupported format {fmt!r} in group {gname} (verispec reads {FORMAT})")
+        for kind in ("input_activations", "output_activations"):
+            if g.get(kind) is not None:
+                raise CheckpointError(f"{where}: group {gname} quantizes {kind}; weight-only schemes only")
+        targets = g.get("targets")
+        if not isinstance(targets, list) or not targets:
+            raise CheckpointError(f"{where}: group {gname} has no targets")
+        parsed.append((tuple(targets), _scheme(gname, g.get("weights"), where)))
+    return QuantConfig(tuple(parsed), tuple(qc.get("ignore") or ()))
+
+
+def take_quantized(
+    state: dict[str, torch.Tensor],
+    linears: dict[str, tuple[int, int, bool]],  # module name -> (out, in, has_bias) for every candidate Linear
+    qcfg: QuantConfig,
+    where: str | Path,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+    """Check and unpack every quantized Linear's tensors, popping them (and its bias) from `state`.
+
+    Returns {name: (q int8 [out, in], scales [out, in / group], bits, bias [out] or None)}. Nothing is built
+    here, so a bad tensor anywhere fails before a module exists."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = {}
+    for name, (n_out, n_in, has_bias) in linears.items():
+        scheme = qcfg.scheme_for(name)
+        if scheme is None:
+            continue
+        g = scheme.group(n_in)
+        if n_in % g:
+            raise CheckpointError(f"{where}: group size {g} does not divide {name}'s {n_in} input features")
+        for suffix in SUFFIXES:
+            if f"{name}.{suffix}" not in state:
+                raise CheckpointError(f"{where}: missing tensor {name}.{suffix}")
+        packed, scale, shape = (state[f"{name}.{s}"] for s in SUFFIXES)
+        if shape.dtype not in (torch.int64, torch.int32) or tuple(shape.flatten().tolist()) != (n_out, n_in):
+            raise CheckpointError(f"{where}: tensor {name}.weight_shape is {shape.tolist()}, config implies "
+                                  f"{[n_out, n_in]}")
+        words = packed_words(n_in, scheme.bits)
+        if packed.dtype != torch.int32 or tuple(packed.shape) != (n_out, words):
+            raise CheckpointError(f"{where}: tensor {name}.weight_packed is {packed.dtype} {tuple(packed.shape)}, "
+                                  f"expected int32 {(n_out, words)}")
+        if not scale.is_floating_point() or tuple(scale.shape) != (n_out, n_in // g):
+            raise CheckpointError(f"{where}: tensor {name}.weight_scale is {scale.dtype} {tuple(scale.shape)}, "
+                                  f"expected a float tensor of shape {(n_out, n_in // g)}")
+        bias = None
+        if has_bias:
+            bias = state.get(f"{name}.bias")
+            if bias is None:
+                raise CheckpointError(f"{where}: missing tensor {name}.bias")
+            if tuple(bias.shape) != (n_out,):
+                raise CheckpointError(f"{where}: tensor {name}.bias has shape {tuple(bias.shape)}, config implies "
+                                      f"{(n_out,)}")
+        out[name] = (unpack_int32(packed, scheme.bits, n_in), scale, scheme.bits, bias)
+    for name in out:
+        for suffix in (*SUFFIXES, "bias"):
+            state.pop(f"{name}.{suffix}", None)
+    return out
+
+
+def quant_config_dict(scheme: QuantScheme, ignore: tuple[str, ...] = ("lm_head",)) -> dict:
+    """config.json's quantization_config for one scheme over every Linear but `ignore`, as compressed-tensors
+    writes it (ModelCompressor.update_config)."""
+    weights = {
+        "num_bits": scheme.bits, "type": "int", "symmetric": True,
+        "strategy": "channel" if scheme.group_size is None else "group", "group_size": scheme.group_size,
+        "dynamic": False, "actorder": None, "observer": "minmax",
+    }
+    return {
+        "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": FORMAT}},
+        "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {},
+    }
+
+
+def quantized_tensors(name: str, q: torch.Tensor, scales: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """The three tensors one quantized Linear [out, in] is stored as."""
+    return {f"{name}.weight_packed": pack_int32(q, bits), f"{name}.weight_scale": scales.contiguous(),
+            f"{name}.weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+
+
+def write_quantized(
+    out: str | Path,
+    hf_config: dict,  # the source model's config.json
+    dense: dict[str, torch.Tensor],  # every tensor kept dense (embeddings, norms, biases, lm_head)
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],  # name -> (q int8 [out, in], scales)
+    scheme: QuantScheme,
+    ignore: tuple[str, ...] = ("lm_head",),
+) -> None:
+    """Write model.safetensors and config.json of a pack-quantized checkpoint."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in dense.items()}
+    for name, (q, scales) in quantized.items():
+        state.update(quantized_tensors(name, q, scales, scheme.bits))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(hf_config)
+    cfg["quantization_config"] = quant_config_dict(scheme, ignore)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,101 @@
+"""QuantLinear: a frozen Linear whose weight is int8/int4 values with group-wise (or per-channel) scales.
+
+The weight it stands for is q * scale, computed exactly in fp32 (see rtn.dequantize). Its forward, in order of
+preference:
+- CPU, when the native int4/int8 matmul is built (`native.qlinear`, kernels/qgemm.c): the values are packed once
+  with `native.qpack` and every call reads them directly;
+- CPU otherwise: the weight is dequantized once (lazily, kept per dtype) into the activation dtype and run through
+  verispec's batch-invariant packed matmul (model.packing), so a verify step computes what one-token steps compute;
+- elsewhere (CUDA) the same dequantized weight through F.linear.
+Inference only: the buffers are frozen and not part of the state dict (quantized checkpoints are read and written by
+quant.format, never through state_dict()).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.kernels import native
+from verispec.model.packing import PackedWeight, linear, pack
+from verispec.quant.rtn import dequantize
+
+
+def _native_quant() -> bool:
+    # The native int kernel lands separately (kernels/qgemm.c): use it where it exists and this CPU runs it.
+    return hasattr(native, "qlinear") and native.qavailable()
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        qweight: torch.Tensor,  # [out, in] int8, values in [-2^(bits-1), 2^(bits-1) - 1]
+        scales: torch.Tensor,  # [out, in / group_size] fp32 or bf16
+        bits: int,
+        bias: torch.Tensor | None = None,  # [out]
+    ) -> None:
+        super().__init__()
+        out_features, in_features = qweight.shape
+        if qweight.dtype != torch.int8 or scales.dim() != 2 or scales.shape[0] != out_features \
+                or in_features % scales.shape[1]:
+            raise ValueError(f"QuantLinear: qweight {tuple(qweight.shape)} {qweight.dtype} and scales "
+                             f"{tuple(scales.shape)} do not fit")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.group_size = in_features // scales.shape[1]
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self._dense: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, PackedWeight | None]] = {}
+        self._qpacked = None  # native.QPacked, made on the first native call
+
+    @classmethod
+    def concat(cls, parts: Sequence[QuantLinear]) -> QuantLinear:
+        """One QuantLinear computing `parts` (which read the same input) as one matmul, like model.layers'
+        fuse_linears: the parts' buffers become views of the fused one's, so no memory is added."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group_size != first.group_size or p.in_features != first.in_features
+               or (p.bias is None) != (first.bias is None) for p in parts):
+            raise ValueError("QuantLinear.concat: the parts differ in bits, group size, input size or bias")
+        fused = cls(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), first.bits,
+                    None if first.bias is None else torch.cat([p.bias for p in parts]))
+        row = 0
+        for p in parts:
+            n = p.out_features
+            p.qweight, p.scales = fused.qweight[row : row + n], fused.scales[row : row + n]
+            if p.bias is not None:
+                p.bias = fused.bias[row : row + n]
+            p._dense, p._qpacked = {}, None
+            row += n
+        return fused
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
+        return dequantize(self.qweight, self.scales, dtype)
+
+    def _apply(self, fn, recurse=True):  # .to()/.cuda() move the buffers: caches made from the old ones go
+        self._dense, self._qpacked = {}, None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _native_quant():
+            if self._qpacked is None:
+                self._qpacked = native.qpack(self.qweight.contiguous(), self.scales.float().contiguous(),
+                                             self.group_size, self.bits)
+            bias = None if self.bias is None else self.bias.float().contiguous()
+            y = native.qlinear(x.reshape(-1, self.in_features).contiguous(), self._qpacked, bias, x.dtype)
+            return y.view(*x.shape[:-1], self.out_features)
+        key = (x.dtype, x.device)
+        if key not in self._dense:
+            w = self.dequantize(x.dtype).to(x.device)
+            self._dense[key] = (w, pack(w) if x.device.type == "cpu" else None)
+        w, packed = self._dense[key]
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if packed is None:
+            return F.linear(x, w, bias)
+        return linear(x, w, bias, packed)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}")

@@ -1,0 +1,51 @@
+"""The quantization scheme: the one source of its defaults (bits, group size) for the CLI and the format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verispec.errors import ConfigError
+
+GROUP_SIZES = (32, 64, 128)  # group-wise scales; None means one scale per output channel
+SCHEMES = ("w8a16", "w4a16")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Symmetric weight-only integer quantization of a Linear's weight [out, in]."""
+
+    bits: int = 4
+    """4 or 8: values in [-2^(bits-1), 2^(bits-1) - 1]."""
+    group_size: int | None = 128
+    """Input columns sharing one scale (32, 64 or 128), or None for one scale per output channel."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ConfigError(f"unsupported num_bits {self.bits}; use 4 or 8")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise ConfigError(f"unsupported group size {self.group_size}; use 32, 64, 128 or channel")
+
+    @classmethod
+    def named(cls, name: str, group_size: int | None = None) -> QuantScheme:
+        """w8a16: int8, per channel unless a group size is given; w4a16: int4, group 128 unless given."""
+        if name == "w8a16":
+            return cls(bits=8, group_size=group_size or None)
+        if name == "w4a16":
+            return cls(bits=4, group_size=group_size or 128)
+        raise ConfigError(f"unknown scheme {name!r}; use {' or '.join(SCHEMES)}")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def group(self, in_features: int) -> int:
+        """Columns per scale for a weight with `in_features` columns."""
+        return in_features if self.group_size is None else self.group_size
+
+    @property
+    def name(self) -> str:
+        return f"w{self.bits}a16-" + ("channel" if self.group_size is None else f"g{self.group_size}")

@@ -1,0 +1,237 @@
+"""Weight-only quantization (verispec.quant): the int32 packing, RTN and GPTQ, QuantLinear, loading a
+pack-quantized checkpoint (and refusing a bad one), `verispec quantize`, and exactness of speculation on a
+quantized target: greedy speculative output equals plain greedy decoding of the same quantized model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file, save_file
+
+from verispec.api import LLM
+from verispec.cli import main
+from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters import ModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+from verispec.engine import Engine
+from verispec.errors import CheckpointError
+from verispec.model.checkpoint import load_model, load_state_dict, save_model
+from verispec.quant.bits import pack_int32, unpack_int32
+from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
+from verispec.quant.gptq import gptq_quantize
+from verispec.quant.linear import QuantLinear
+from verispec.quant.rtn import dequantize, quantize_rtn
+from verispec.quant.scheme import QuantScheme
+
+W4 = QuantizeConfig(scheme="w4a16", group_size=32)
+W8 = QuantizeConfig(scheme="w8a16")
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28], [1, 2, 3] * 6]
+
+
+def test_pack_layout_and_round_trip():
+    """Element i of a row sits at bits [i*b, (i+1)*b) of the row's little-endian int32 stream, as q + 2^(b-1)."""
+    q = torch.tensor([[-8, -7, 0, 7, 1, 2, 3, 4, 5, -1, -2, -3, -4, -5, -6, 6]], dtype=torch.int8)
+    words = pack_int32(q, 4)
+    assert words.shape == (1, 2) and words.dtype == torch.int32
+    u = (q.to(torch.int64) + 8)[0]
+    expect = [sum(int(u[8 * w + i]) << (4 * i) for i in range(8)) for w in range(2)]
+    assert [int(x) & 0xFFFFFFFF for x in words[0]] == expect
+    assert int(pack_int32(torch.tensor([[5, -128, 127, 0]], dtype=torch.int8), 8)[0, 0]) & 0xFFFFFFFF == \
+        133 | (0 << 8) | (255 << 16) | (128 << 24)
+    g = torch.Generator().manual_seed(0)
+    for bits, cols in ((4, 64), (4, 40), (8, 64), (8, 6)):
+        q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, cols), generator=g, dtype=torch.int8)
+        assert torch.equal(unpack_int32(pack_int32(q, bits), bits, cols), q)
+
+
+def test_rtn_formula():
+    """compressed-tensors' symmetric rule: scale = absmax / 7.5 (int4) or / 127.5 (int8); q = clamp(round(w / s))."""
+    w = torch.tensor([[1.5, -7.5, 3.0, 0.2] * 8, [0.0] * 32])
+    q, s = quantize_rtn(w, QuantScheme(4, 32), torch.float32)
+    assert s[0, 0] == 1.0 and s[1, 0] == torch.finfo(torch.float32).eps  # an all-zero group gets eps, not 0
+    assert q[0, :4].tolist() == [2, -8, 3, 0]  # round half to even (1.5 -> 2), -7.5 -> -8 fits int4's range
+    q8, s8 = quantize_rtn(w, QuantScheme(8, None), torch.float32)
+    assert s8.shape == (2, 1) and torch.isclose(s8[0, 0], torch.tensor(7.5 / 127.5))
+    assert torch.equal(dequantize(q8, s8), q8.float() * s8)
+
+
+def test_gptq_error_below_rtn_on_correlated_inputs():
+    """GPTQ's output error ||X W^T - X Ŵ^T|| on correlated inputs is lower than round-to-nearest's."""
+    g = torch.Generator().manual_seed(0)
+    n, d_in, d_out = 2048, 128, 64
+    mix = torch.randn(d_in, d_in, generator=g) * 0.3 + torch.eye(d_in)
+    low_rank = torch.randn(n, 16, generator=g) @ torch.randn(16, d_in, generator=g)  # strongly correlated columns
+    x = low_rank + 0.1 * torch.randn(n, d_in, generator=g) @ mix
+    w = torch.randn(d_out, d_in, generator=g)
+    h = 2 * x.T @ x / n
+    for scheme in (QuantScheme(4, 32), QuantScheme(4, 128), QuantScheme(8, None)):
+        q_rtn, s_rtn = quantize_rtn(w, scheme, torch.float32)
+        q_gptq, s_gptq = gptq_quantize(w, h, scheme, torch.float32)
+        err_rtn = torch.linalg.norm(x @ w.T - x @ dequantize(q_rtn, s_rtn).T)
+        err_gptq = torch.linalg.norm(x @ w.T - x @ dequantize(q_gptq, s_gptq).T)
+        assert err_gptq < 0.8 * err_rtn, (scheme, err_gptq, err_rtn)
+        assert q_gptq.min() >= scheme.qmin and q_gptq.max() <= scheme.qmax
+
+
+def test_quant_linear_forward_and_concat():
+    g = torch.Generator().manual_seed(1)
+    parts = []
+    for out in (32, 16, 16):
+        q, s = quantize_rtn(torch.randn(out, 64, generator=g), QuantScheme(4, 32), torch.bfloat16)
+        parts.append(QuantLinear(q, s, 4, torch.randn(out, generator=g)))
+    x = torch.randn(3, 5, 64, generator=g)
+    ref = [torch.nn.functional.linear(x, p.dequantize(), p.bias) for p in parts]
+    for p, r in zip(parts, ref):
+        torch.testing.assert_close(p(x), r, rtol=1e-5, atol=1e-5)
+    fused = QuantLinear.concat(parts)
+    torch.testing.assert_close(fused(x), torch.cat(ref, dim=-1), rtol=1e-5, atol=1e-5)
+    assert parts[1].qweight.data_ptr() == fused.qweight[32:].data_ptr()  # views, no copy
+    # A row's result does not depend on the rows beside it (the exactness contract of verify steps).
+    assert torch.equal(fused(x.reshape(15, 64))[4:5], fused(x.reshape(15, 64)[4:5]))
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dense")
+    save_model(tiny_model(0, 0.2), d)
+    return d
+
+
+@pytest.fixture(scope="module", params=[W4, W8], ids=["w4a16-g32", "w8a16"])
+def quant_dir(request, dense_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    quantize_checkpoint(dense_dir, d, request.param, progress=False)
+    return d
+
+
+@pytest.fixture(scope="module")
+def qmodel(quant_dir):
+    return load_model(quant_dir, "fp32")
+
+
+def test_loaded_model_equals_dense_dequantized(quant_dir, qmodel, tmp_path):
+    """The quantized model's forward equals a dense model holding the dequantized weights, to fp32 rounding."""
+    assert qmodel.quantized and qmodel.forward_path == "torch"  # decoder.c declines QuantLinears
+    state = load_state_dict(quant_dir)
+    dense = {k: v for k, v in state.items() if not k.endswith(("weight_packed", "weight_scale", "weight_shape"))}
+    for layer in qmodel.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            name = next(n for n, m in qmodel.named_modules() if m is lin)
+            dense[f"{name}.weight"] = lin.dequantize()
+    (tmp_path / "d").mkdir()
+    save_file(dense, str(tmp_path / "d" / "model.safetensors"))
+    cfg = json.loads((quant_dir / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    ref = load_model(tmp_path / "d", "fp32")
+    tokens = torch.tensor([PROMPTS[0], PROMPTS[2][:14]])
+    with torch.inference_mode():
+        torch.testing.assert_close(qmodel(tokens)[0], ref(tokens)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_changes_the_model_but_not_much(dense_dir, qmodel):
+    dense = load_model(dense_dir, "fp32")
+    tokens = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        a, b = qmodel(tokens)[0], dense(tokens)[0]
+    assert not torch.equal(a, b)
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "random"])
+def test_greedy_speculation_equals_plain_on_quantized_target(qmodel, drafter):
+    """Exact with respect to the quantized target: decode() and the engine give plain greedy's tokens."""
+    drafters = {"ngram": NgramDrafter(), "self": ModelDrafter(qmodel), "random": ModelDrafter(tiny_model(123, 0.5))}
+    plain = [decode(qmodel, p, GREEDY).token_ids for p in PROMPTS]
+    for k in (1, 4):
+        for p, ref in zip(PROMPTS, plain):
+            assert decode(qmodel, p, GREEDY, drafter=drafters[drafter], spec=SpecConfig(k=k)).token_ids == ref
+    engine = Engine(qmodel, None, EngineConfig(k=4, drafter=drafter), drafters=drafters)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, GREEDY, RequestSpec(), f"r{i}")
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert [results[f"r{i}"].token_ids for i in range(len(PROMPTS))] == plain
+
+
+def test_llm_generate_on_quantized_checkpoint(quant_dir, tokenizer, tmp_path):
+    d = tmp_path / "q"
+    shutil.copytree(quant_dir, d)
+    tokenizer.save(d)
+    llm = LLM(str(d), drafter="ngram", dtype="fp32")
+    spec = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), plain=True)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+def _broken(quant_dir, tmp_path, edit):
+    d = tmp_path / "bad"
+    shutil.copytree(quant_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    state = load_file(str(d / "model.safetensors"))
+    edit(cfg, state)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(state, str(d / "model.safetensors"))
+    return d
+
+
+NAME = "model.layers.1.mlp.down_proj"
+CASES = {
+    "method": (lambda c, s: c["quantization_config"].update(quant_method="gptq"), "quant_method"),
+    "format": (lambda c, s: c["quantization_config"].update(format="marlin-24") or
+               c["quantization_config"]["config_groups"]["group_0"].pop("format"), "format"),
+    "bits": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=3),
+             "num_bits 3"),
+    "asymmetric": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+        symmetric=False), "asymmetric"),
+    "group": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+        strategy="group", group_size=48), "group size 48"),
+    "scale": (lambda c, s: s.pop(f"{NAME}.weight_scale"), f"missing tensor {NAME}.weight_scale"),
+    "packed": (lambda c, s: s.pop(f"{NAME}.weight_packed"), f"missing tensor {NAME}.weight_packed"),
+    "shape": (lambda c, s: s.update({f"{NAME}.weight_shape": torch.tensor([64, 64])}), f"{NAME}.weight_shape"),
+    "scale_shape": (lambda c, s: s.update({f"{NAME}.weight_scale": s[f"{NAME}.weight_scale"][:, :1].repeat(1, 3)}),
+                    f"{NAME}.weight_scale"),
+    "activations": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8}), "weight-only"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_quantized_checkpoint_fails_with_one_error(quant_dir, tmp_path, case, capsys):
+    if case == "group" and "group_size" not in json.dumps(json.loads((quant_dir / "config.json").read_text())):
+        pytest.skip("channel checkpoint")
+    edit, words = CASES[case]
+    d = _broken(quant_dir, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
+        load_model(d)
+    assert main(["generate", "--target", str(d), "--prompt", "x", "--drafter", "none", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and words.split()[-1] in err[0]
+
+
+def test_cli_quantize_rtn_and_gptq(checkpoint_dir, tmp_path, capsys):
+    for method in ("rtn", "gptq"):
+        out = tmp_path / method
+        assert main(["quantize", str(checkpoint_dir), "--out", str(out), "--scheme", "w4a16", "--group-size", "32",
+                     "--method", method, "--calib-samples", "4", "--calib-len", "32"]) == 0
+        assert (out / "tokenizer.json").is_file() and (out / "quantization.json").is_file()
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc["format"] == "pack-quantized" and qc["ignore"] == ["lm_head"]
+        model = load_model(out)
+        assert model.quantized
+        assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+        assert not isinstance(model.lm_head, QuantLinear) and not isinstance(model.model.embed_tokens, QuantLinear)
+    assert "calibration" in capsys.readouterr().out
+    assert main(["quantize", str(checkpoint_dir), "--out", str(tmp_path / "x"), "--scheme", "w4a16",
+                 "--group-size", "48"]) == 2
