@@ -575,6 +575,40 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    from verispec.quant.convert import METHODS, QuantizeConfig
+    from verispec.quant.scheme import SCHEMES
+
+    p = sub.add_parser("quantize", help="write a weight-only int8/int4 copy of a checkpoint (compressed-tensors "
+                                        "pack-quantized, as vLLM reads it)")
+    p.add_argument("src", type=Path, help="dense checkpoint directory, Hugging Face layout")
+    p.add_argument("--out", type=Path, required=True, help="directory for the quantized checkpoint")
+    p.add_argument("--scheme", default=QuantizeConfig.scheme, choices=SCHEMES)
+    p.add_argument("--group-size", type=int, default=QuantizeConfig.group_size,
+                   help="32, 64 or 128 input columns per scale (default: 128 for w4a16, per channel for w8a16)")
+    p.add_argument("--method", default=QuantizeConfig.method, choices=METHODS)
+    p.add_argument("--calib-samples", type=int, default=QuantizeConfig.calib_samples,
+                   help="gptq: calibration sequences from the training corpus")
+    p.add_argument("--calib-len", type=int, default=QuantizeConfig.calib_len, help="gptq: tokens per sequence")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="gptq: built corpus directory (its train.jsonl); default: the standard library's train split")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from verispec.api import set_threads
+    from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
+
+    set_threads(args.threads)
+    cfg = QuantizeConfig(scheme=args.scheme, group_size=args.group_size, method=args.method,
+                         calib_samples=args.calib_samples, calib_len=args.calib_len)
+    summary = quantize_checkpoint(args.src, args.out, cfg, corpus=args.corpus)
+    print(f"wrote {args.out}: {summary['scheme']} by {cfg.method}"
+          + (f" (calibration: {summary['calibration']})" if "calibration" in summary else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -584,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_profile(sub)
     _add_calibrate(sub)
+    _add_quantize(sub)
     return parser
 
 
