@@ -82,6 +82,11 @@ class Drafter(ABC):
     def finish(self, seq_id: int) -> None:
         """The sequence ended (finished or aborted): free its state."""
 
+    def live_sequences(self) -> set[int]:
+        """The sequences this drafter holds state for (between `start` and `finish`): empty when the engine is
+        idle (`Engine.check_idle`)."""
+        return set()
+
 
 DrafterFactory = Callable[..., Drafter]
 DRAFTERS: dict[str, DrafterFactory] = {}

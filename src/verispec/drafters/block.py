@@ -85,6 +85,9 @@ class BlockDrafter(Drafter):
         self._pending.pop(seq_id, None)
         self._ctx_start.pop(seq_id, None)
 
+    def live_sequences(self) -> set[int]:
+        return set(self._ctx) | set(self._pending) | set(self._ctx_start)
+
     @torch.inference_mode()
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         self._flush(seq_id)

@@ -60,6 +60,9 @@ class LookupFirstDrafter(Drafter):
     def finish(self, seq_id: int) -> None:
         self.inner.finish(seq_id)
 
+    def live_sequences(self) -> set[int]:
+        return self.inner.live_sequences()
+
 
 def _bench_spec(zoo) -> str | None:
     inner = BENCH_SPECS["dspark"](zoo)  # the zoo's DSpark drafter, when it ships one

@@ -33,6 +33,9 @@ class ModelDrafter(Drafter):
         self._caches.pop(seq_id, None)
         self._round_start.pop(seq_id, None)
 
+    def live_sequences(self) -> set[int]:
+        return set(self._caches) | set(self._round_start)
+
     def accept(self, result: Verified) -> None:
         # The cache holds the committed tokens plus k - 1 drafted ones; drafts past the accepted prefix go.
         keep = min(self._caches[result.seq_id].length, self._round_start[result.seq_id] + result.num_accepted)

@@ -8,6 +8,8 @@ task cancellation) aborts the request and frees its cache at the next step.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import threading
 import time
 import uuid
@@ -18,9 +20,29 @@ from verispec.engine.engine import Engine
 from verispec.engine.request import RequestOutput
 
 
+@functools.cache
+def _malloc_trim():  # glibc's malloc_trim, or None (musl, macOS)
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc `malloc_trim(0)`); False where there is no glibc.
+
+    A request's KV cache is megabytes, zeroed when allocated. glibc raises its mmap threshold to the largest
+    block freed so far (up to 32 MiB), so after the first few caches they come from the heap arenas, and a freed
+    cache's pages stay resident unless they sit at an arena's top: RSS holds the peak of past bursts
+    (reports/soak/README.md). Trimming costs a walk over the free chunks (milliseconds)."""
+    trim = _malloc_trim()
+    return bool(trim is not None and trim(0) >= 0)
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, trim_when_idle: bool = True) -> None:
         self.engine = engine
+        self.trim_when_idle = trim_when_idle  # release_free_memory() each time the engine runs out of work
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sinks_lock = threading.Lock()
         self._wake = threading.Event()
@@ -45,12 +67,17 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        busy = False
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished():
+                    if busy and self.trim_when_idle:  # once per burst, off the busy path
+                        release_free_memory()
+                    busy = False
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                busy = True
                 t0 = time.perf_counter()
                 self.engine.step()
                 self.last_step_s = time.perf_counter() - t0
@@ -96,6 +123,13 @@ class AsyncEngine:
             self._sinks.pop(request_id, None)
         self.engine.abort(request_id)
         self._wake.set()
+
+    def check_idle(self) -> None:
+        """`Engine.check_idle`, plus: no request's output queue is registered."""
+        with self._sinks_lock:
+            sinks = list(self._sinks)
+        assert not sinks, f"output queues still registered for {sinks[:5]}"
+        self.engine.check_idle()
 
     async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted request until it finishes; leaving early aborts it."""

@@ -12,9 +12,11 @@ process-wide oneDNN flag).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +93,8 @@ class Engine:
         self._queued = 0  # requests added but not yet admitted (inbox adds + waiting)
         self._seq_ids = itertools.count()
         self._ids = itertools.count()
+        # seq_id -> every Request object not yet collected (weakly: the check in check_idle)
+        self._alive: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         self.on_output: Callable[[RequestOutput], None] | None = None
 
     # ---- requests in and out (any thread) -------------------------------------------------------------------
@@ -127,6 +131,7 @@ class Engine:
             generator=None if params.greedy else make_generator(params.seed, self.target.device),
             tokens=list(prompt),
         )
+        self._alive[req.seq_id] = req
         with self._lock:
             if self._queued >= self.config.max_queued:
                 self.metrics.rejected += 1
@@ -413,3 +418,29 @@ class Engine:
         assert self.reserved_tokens <= self.config.cache_budget_tokens, "over the cache budget"
         for r in self.running:
             assert r.cache is not None and r.cache.length <= len(r.tokens) - 1, f"{r.request_id}: cache overrun"
+
+    def check_idle(self) -> None:
+        """Assert that an engine with nothing to do holds nothing of any request: no queued, waiting or running
+        request, no reserved KV positions, no per-request acceptance estimate, no drafter sequence state, and no
+        Request object (its cache, generator, stop checker) alive anywhere in the process. Call it from the
+        thread that runs `step`, or while that thread waits for work."""
+        problems = []
+        with self._lock:
+            if self._inbox or self._queued:
+                problems.append(f"inbox {len(self._inbox)}, queued {self._queued}")
+        if self.waiting or self.running:
+            problems.append(f"waiting {len(self.waiting)}, running {len(self.running)}")
+        if self.reserved_tokens:
+            problems.append(f"reserved_tokens {self.reserved_tokens}")
+        if self.estimator.tracked():
+            problems.append(f"acceptance estimates kept for {sorted(self.estimator.tracked())[:5]}")
+        for spec, drafter in self._drafters.items():
+            if drafter.live_sequences():
+                problems.append(f"drafter {spec!r} holds state for sequences {sorted(drafter.live_sequences())[:5]}")
+        if len(self._alive):  # a cycle may hold a finished request until the collector runs
+            gc.collect()
+            alive = [r.request_id for r in list(self._alive.values())]
+            if alive:
+                problems.append(f"{len(alive)} Request objects still referenced: {alive[:5]}")
+        if problems:
+            raise AssertionError("engine not idle: " + "; ".join(problems))

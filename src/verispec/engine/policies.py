@@ -91,6 +91,10 @@ class AcceptanceEstimator:
     def forget(self, request_id: str) -> None:
         self._local.pop(request_id, None)
 
+    def tracked(self) -> list[str]:
+        """Request ids with a per-request estimate (forgotten when the request finishes)."""
+        return list(self._local)
+
 
 def learn_from_proposals(
     estimator: AcceptanceEstimator, drafter: str, request_id: str,
