@@ -27,10 +27,10 @@ from verispec.serve.server import build_state
 WARMUP_ROUNDS = 3
 ROUNDS = 8
 CONCURRENCY = 16
-# Measured on the tiny model (2 busy cores): after 3 warm-up rounds, 9 more rounds (144 requests, 16 of them
-# disconnecting) moved RSS by +1.4 MiB in all (354.6 -> 356.0 MiB), with Python objects and tensors flat. A leak of what a finished request holds (its KV cache, tokens,
-# stop checker, generator: tens of KiB here) over 128 requests would exceed the bound; the per-round idle check
-# catches a single held request exactly.
+# Measured on the tiny model (2 busy cores): after 3 warm-up rounds, 9 more rounds (144 requests, 20 of them
+# disconnecting) moved RSS by +1.4 MiB in all (354.6 -> 356.0 MiB), with Python objects and tensors flat. The
+# per-round idle check catches any held request exactly; the bound catches what it cannot see (native memory,
+# caches outside the engine) from about 64 KiB per request over the 128 measured requests.
 RSS_GROWTH_BOUND_MB = 8.0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass
 
@@ -138,10 +137,3 @@ def table_row(index: int, disconnect: bool, res: RoundResult, rss: float, first:
 TABLE_HEADER = ("| round | disconnect | completed | left | errors | RSS MiB | Δ round | Δ round 1 |\n"
                 "|------:|-----------:|----------:|-----:|-------:|--------:|--------:|----------:|")
 
-
-def malloc_env(arena_max: int | None) -> dict[str, str]:
-    """The environment for a child server, with MALLOC_ARENA_MAX set when asked."""
-    env = dict(os.environ)
-    if arena_max:
-        env["MALLOC_ARENA_MAX"] = str(arena_max)
-    return env
