@@ -43,6 +43,7 @@ from verispec.serve.protocol import (
     parse_stream,
     refuse_unsupported,
 )
+from verispec.serve.schema import route_doc
 
 log = logging.getLogger("verispec.serve")
 PUBLIC_ROUTES = frozenset({"/health"})
@@ -216,7 +217,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.engine.shutdown()
 
     # redirect_slashes off: /v1/completions/ is a 404, not a 307 that clients would follow with their body.
-    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   redirect_slashes=False)
     app.state.verispec = state
 
@@ -254,11 +255,12 @@ def create_app(state: ServerState) -> FastAPI:
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "verispec"}
         ]}
 
-    @app.post("/v1/completions")
+    # openapi_extra documents the bodies (/openapi.json, behind the API key); protocol.py still validates them.
+    @app.post("/v1/completions", openapi_extra=route_doc(state, chat=False))
     async def completions(request: Request):
         return await _generate(state, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=route_doc(state, chat=True))
     async def chat_completions(request: Request):
         return await _generate(state, request, chat=True)
 
