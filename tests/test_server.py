@@ -564,7 +564,7 @@ VALIDATION = [
     ("1025 messages", CH, {"messages": [{"role": "user", "content": "a"}] * 1025}, 400, "messages", None),
     ("chat lone surrogate", CH, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "messages[0].content", None),
-    ("chat too long", CH, {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400, "prompt",
+    ("chat too long", CH, {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400, "messages",
      "context_length_exceeded"),
     ("unknown model", C, completion_body(model="gpt-4"), 404, "model", "model_not_found"),
     ("unknown model chat", CH, {"model": "nope", "messages": CHAT}, 404, "model", "model_not_found"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,10 +163,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
+        # Wrong types are ConfigErrors too (never a TypeError from a comparison below), found by tests/test_fuzz_api.
+        try:
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        except TypeError:
+            raise ConfigError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}") from None
+        if not all(isinstance(s, str) for s in stop):
+            raise ConfigError("stop strings must be strings")
+        object.__setattr__(self, "stop", stop)
+        for name in ("max_tokens", "top_k", "seed"):
+            v = getattr(self, name)
+            if (v is not None or name != "seed") and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise ConfigError(f"{name} must be an integer, got {type(v).__name__}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ConfigError(f"{name} must be a number, got {type(v).__name__}")
+            try:
+                object.__setattr__(self, name, float(v))
+            except OverflowError:
+                raise ConfigError(f"{name} is out of range") from None
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.temperature < math.inf:  # NaN and inf have no distribution

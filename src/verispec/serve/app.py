@@ -298,7 +298,8 @@ def _draft_slots(state: ServerState, spec: RequestSpec) -> int:
     return 1 + (0 if drafter in (None, "", "none") else k)
 
 
-def _budget_error(state: ServerState, prompt_len: int, max_tokens: int, spec: RequestSpec) -> APIError | None:
+def _budget_error(state: ServerState, prompt_len: int, max_tokens: int, spec: RequestSpec,
+                  chat: bool) -> APIError | None:
     """The 400 for a request larger than the whole KV cache budget, naming what the client can change."""
     engine = state.engine.engine
     budget, fixed = engine.config.cache_budget_tokens, prompt_len + _draft_slots(state, spec)
@@ -306,7 +307,8 @@ def _budget_error(state: ServerState, prompt_len: int, max_tokens: int, spec: Re
         return None  # refused for another reason
     if budget - fixed < 1:
         return APIError(400, f"the prompt's {prompt_len} tokens and {fixed - prompt_len} draft positions do not fit "
-                             f"this server's KV cache budget of {budget} positions", param="prompt")
+                             f"this server's KV cache budget of {budget} positions",
+                        param="messages" if chat else "prompt")
     return APIError(400, f"max_tokens {max_tokens} does not fit this server's KV cache budget of {budget} positions "
                          f"with the prompt's {prompt_len} tokens and {fixed - prompt_len} draft positions; at most "
                          f"{budget - fixed} new tokens fit", param="max_tokens")
@@ -344,7 +346,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except VerispecError as e:  # e.g. the request needs more KV cache than the engine's budget
-        raise _budget_error(state, len(prompt_ids), params.max_tokens, spec) or APIError(400, str(e)) from None
+        raise _budget_error(state, len(prompt_ids), params.max_tokens, spec, chat) or APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
     shape = _Shape(rid, state.model_name, chat, int(time.time()))

@@ -167,12 +167,12 @@ def refuse_unsupported(body: dict) -> None:
         raise _bad("audio", "audio output is not supported")
 
 
-def _max_tokens(body: dict, prompt_len: int, context_limit: int, default: int, limit: int) -> int:
+def _max_tokens(body: dict, prompt_len: int, context_limit: int, default: int, limit: int, prompt_param: str) -> int:
     room = context_limit - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; the context limit is {context_limit}, so at most "
                             f"{context_limit - 1} prompt tokens leave room to generate",
-                       param="prompt", code="context_length_exceeded")
+                       param=prompt_param, code="context_length_exceeded")
     name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
     max_tokens = _int(body, "max_completion_tokens", 1, INT64 - 1, None)
     max_tokens = _int(body, "max_tokens", 1, INT64 - 1, max_tokens)
@@ -212,7 +212,8 @@ def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: 
         raise _bad("logit_bias", "logit_bias is not supported")
     default = limits.max_tokens_limit if chat else min(limits.completion_max_tokens, limits.max_tokens_limit)
     default = default if fits is None else min(default, fits)
-    max_tokens = _max_tokens(body, prompt_len, context_limit, default, limits.max_tokens_limit)
+    max_tokens = _max_tokens(body, prompt_len, context_limit, default, limits.max_tokens_limit,
+                             "messages" if chat else "prompt")  # the field that makes the prompt
     temperature = _float(body, "temperature", 0.0, 2.0, 1.0)
     top_p = _float(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", -1, vocab_size, 0)

@@ -54,7 +54,9 @@ def _common(vocab_size: int, context_limit: int, model: str, drafters: tuple[str
     return {
         "model": {"enum": [model, None], "description": "the served model (GET /v1/models)"},
         "max_tokens": max_new,
-        "max_completion_tokens": max_new,
+        # Only range-checked when max_tokens is given too (max_tokens wins), so no context bound here.
+        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": INT64 - 1,
+                                  "description": "max_tokens' newer name; max_tokens wins when both are given"},
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2, "description": "0 is greedy"},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": vocab_size, "description": "0 or -1: off"},
