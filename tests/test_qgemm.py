@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(not native.qavailable(),
                                 reason="native kernels need AVX2 + FMA and a C compiler (see native.FALLBACK_NOTE)")
 ISAS = [isa for isa in native.ISAS if isa in native.cpu_features()] if native.available() else []
 
-# (bits, group, N, K): groups 32/64/128, per-channel int8 (group = K, odd K too), N not a multiple of 16, K a
-# multiple of the group but not of 64, a zoo-sized shape spanning many thread units.
+# (bits, group, N, K): groups 32/64/128, per-channel (group = K, padded inside: K odd, or not a multiple of 8 for
+# int4), N not a multiple of 16, K a multiple of the group but not of 64, zoo-sized shapes over many thread units.
 SHAPES = [(4, 32, 80, 128), (4, 32, 37, 96), (4, 64, 50, 192), (4, 128, 24, 256), (4, 32, 1024, 512),
-          (8, 96, 37, 96), (8, 37, 21, 37), (8, 32, 40, 160), (8, 512, 1024, 512)]
+          (4, 36, 21, 36), (8, 96, 37, 96), (8, 37, 21, 37), (8, 32, 40, 160), (8, 512, 1024, 512)]
 
 
 def _ref_lib() -> ctypes.CDLL:
@@ -50,17 +50,18 @@ def weights(bits: int, group: int, n: int, k: int, seed: int = 0):
     return q, scales, native.qpack(q, scales, group, bits)
 
 
+@pytest.mark.parametrize("xdtype", [torch.float32, BF16])  # bf16 x on int4: vdpbf16ps on the AVX-512 BF16 path
 @pytest.mark.parametrize("bits,group,n,k", SHAPES)
-def test_every_path_and_row_count_computes_the_reference_chain(bits, group, n, k):
+def test_every_path_and_row_count_computes_the_reference_chain(bits, group, n, k, xdtype):
     q, scales, packed = weights(bits, group, n, k)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(1)).to(xdtype)
     want = reference(x, q, scales, group)
     for isa in ISAS:
         with native.use(isa):
-            alone = torch.cat([native.qlinear(x[i : i + 1], packed) for i in range(16)])
+            alone = torch.cat([native.qlinear(x[i : i + 1], packed, out_dtype=torch.float32) for i in range(16)])
             assert torch.equal(alone, want), f"{isa}: not the reference chain"
             for m in range(2, 17):
-                assert torch.equal(native.qlinear(x[:m], packed), want[:m]), (isa, m)
+                assert torch.equal(native.qlinear(x[:m], packed, out_dtype=torch.float32), want[:m]), (isa, m)
     dense = x.double() @ (q.double() * scales.double().repeat_interleave(group, 1)).T
     torch.testing.assert_close(want, dense.float(), rtol=1e-5, atol=1e-5 * k**0.5)
 
@@ -111,6 +112,8 @@ def test_qpack_and_qlinear_refuse_what_the_kernel_cannot_read():
         native.qpack(q, scales, 32, 3)
     with pytest.raises(ValueError, match="group 24 must divide"):
         native.qpack(q, scales, 24, 4)
+    with pytest.raises(ValueError, match="group 4 must divide K = 64 and be a multiple of 8"):
+        native.qpack(q, torch.ones(40, 16), 4, 4)
     with pytest.raises(ValueError, match="group 7 must divide"):
         native.qpack(torch.zeros(4, 14, dtype=torch.int8), torch.ones(4, 2), 7, 8)  # odd group below K
     with pytest.raises(ValueError, match="int8"):

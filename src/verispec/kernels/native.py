@@ -288,8 +288,8 @@ def linear(
 @dataclass(frozen=True)
 class QPacked:
     """A weight q [n, k] (int8, or int4 in [-8, 7]) with fp32 scales per output column and group of inputs, in
-    qgemm.c's layout: uint8 [n16 / 16, k / group, pair bytes * ceil(group / 2) + 64] (int4 nibbles of a pair in one
-    byte per column, int8 a pair's two 16-byte rows; then the group's 16 scales)."""
+    qgemm.c's layout: uint8 [n16 / 16, k / group, group bytes + 64] (a block's weights of one group, by 8 inputs
+    for int4 and by pair for int8, then the group's 16 scales)."""
 
     data: torch.Tensor
     n: int
@@ -335,19 +335,20 @@ def qavailable() -> bool:
 def qpack(
     q: torch.Tensor,  # [N, K] int8 (bits 4: values in [-8, 7])
     scales: torch.Tensor,  # [N, K // group] fp32 (group == K: one scale per output channel)
-    group: int,  # inputs per scale: divides K, even unless it is K
+    group: int,  # inputs per scale: divides K; a multiple of 8 (int4) or 2 (int8) unless it is K
     bits: int,  # 4 or 8
 ) -> QPacked:
-    """qgemm.c's layout: blocks of 16 output columns, each a stream of its groups (weights by pair, then the
-    group's scales), pad columns zero; K padded to even (a zero weight) only where one group spans it."""
+    """qgemm.c's layout: blocks of 16 output columns, each a stream of its groups (weights, then the group's
+    scales), pad columns zero; a group spanning K is padded with zero weights to a multiple of 8 (int4) or 2."""
     if bits not in (4, 8):
         raise ValueError(f"native qpack: bits must be 4 or 8, got {bits}")
     if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or not q.is_contiguous():
         raise ValueError(f"native qpack: expected a contiguous CPU int8 [N, K] weight, got {q.dtype} "
                          f"{tuple(q.shape)} on {q.device}")
     n, k = q.shape
-    if n == 0 or k == 0 or group <= 0 or k % group or (group % 2 and group != k):
-        raise ValueError(f"native qpack: group {group} must divide K = {k} and be even (or K itself)")
+    align = 8 if bits == 4 else 2  # inputs per load step in qgemm.c
+    if n == 0 or k == 0 or group <= 0 or k % group or (group % align and group != k):
+        raise ValueError(f"native qpack: group {group} must divide K = {k} and be a multiple of {align} (or K)")
     groups = k // group
     if scales.dtype != torch.float32 or scales.device.type != "cpu" or tuple(scales.shape) != (n, groups) \
             or not scales.is_contiguous():
@@ -355,14 +356,17 @@ def qpack(
                          f"{tuple(scales.shape)} on {scales.device}")
     if bits == 4 and n and (q.min() < -8 or q.max() > 7):
         raise ValueError("native qpack: int4 weights must lie in [-8, 7]")
-    n16, g2 = -(-n // BLOCK) * BLOCK, -(-group // 2)
-    padded = q.new_zeros(n16, groups, 2 * g2)
+    n16, gp = -(-n // BLOCK) * BLOCK, -(-group // align) * align
+    padded = q.new_zeros(n16, groups, gp)
     padded[:n, :, :group] = q.view(n, groups, group)
-    pairs = padded.view(n16 // BLOCK, BLOCK, groups, g2, 2)  # [b, j, g, p, e]
-    if bits == 4:
-        nib = pairs.to(torch.int16) & 15
-        wbytes = (nib[..., 0] | nib[..., 1] << 4).to(torch.uint8).permute(0, 2, 3, 1)  # [b, g, p, j]
+    if bits == 4:  # a column's int32 per 8 inputs: nibbles of inputs 0, 2, 4, 6, 1, 3, 5, 7 from bit 0 up
+        eights = padded.view(n16 // BLOCK, BLOCK, groups, gp // 8, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+        nib = eights.to(torch.int64) & 15
+        word = (nib << torch.arange(0, 32, 4)).sum(-1)  # [b, j, g, o] as uint32 values
+        word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+        wbytes = word.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [b, g, o, j] little-endian bytes
     else:
+        pairs = padded.view(n16 // BLOCK, BLOCK, groups, gp // 2, 2)  # [b, j, g, p, e]
         wbytes = pairs.view(torch.uint8).permute(0, 2, 3, 4, 1)  # [b, g, p, e, j]
     sc = scales.new_zeros(n16, groups)
     sc[:n] = scales
@@ -394,8 +398,9 @@ def qlinear(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native qlinear: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    groups, g2 = k // packed.group, -(-packed.group // 2)
-    want = (-(-n // BLOCK), groups, g2 * BLOCK * packed.bits // 4 + 4 * BLOCK)  # pair bytes, then 16 scales
+    align = 8 if packed.bits == 4 else 2
+    gp = -(-packed.group // align) * align
+    want = (-(-n // BLOCK), k // packed.group, gp * BLOCK * packed.bits // 8 + 4 * BLOCK)  # weights, 16 scales
     if tuple(packed.data.shape) != want or packed.data.dtype != torch.uint8 or not packed.data.is_contiguous():
         raise ValueError(f"native qlinear: packed data {tuple(packed.data.shape)} is not qpack()'s {want}")
     m = x.numel() // k

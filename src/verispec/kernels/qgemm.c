@@ -10,17 +10,21 @@
  *
  * then + bias, then the store. q converts to fp32 exactly, however a path unpacks it (AVX2: shifts and cvt;
  * AVX-512: a 16-entry table through vpermps), so all paths agree bit for bit. The pair order is gemm.c's (odd,
- * then even: vdpbf16ps's own), so a later AVX-512 BF16 path can take bf16 x through vdpbf16ps on the same chain.
+ * then even: vdpbf16ps's own), so the AVX-512 BF16 path takes bf16 x on int4 weights through vdpbf16ps (the
+ * nibbles through vpermw to bf16, exact; the products of bf16 x and q exact in fp32): the same chain, with
+ * gemm.c's one caveat (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them).
  * Threads split column blocks, never K, and tiles never change a chain: a row's result is the same whatever the
  * number of rows in the call, the tile it falls in and the thread count.
  *
  * Packed weights (qpack() in native.py), in blocks of 16 output columns (N16 = N rounded up to 16, pad columns
- * zero), each block one stream of its groups in order; a group of G2 = ceil(group / 2) pairs (K is padded to
- * even with a zero only where one group spans it) is
- *   int4: G2 x 16 bytes, byte j = q[n0 + j, 2p] & 15 | q[n0 + j, 2p + 1] << 4
- *   int8: G2 x 32 bytes, 16 columns' q[., 2p], then 16 columns' q[., 2p + 1]
- * then the group's 16 fp32 scales (64 bytes). An AVX2 vector takes the second 8 columns at +8 bytes (+32 for
- * the scales). Rows are taken in gemm.c's tiles (wide: up to 6 rows x 64 columns; tall, for 7-12 rows: 12 x 32
+ * zero), each block one stream of its groups in order (K is padded with zeros, to even for int8 and to a
+ * multiple of 8 for int4, only where one group spans it):
+ *   int4: per 8 inputs, 16 columns x 4 bytes: column j's int32 holds nibbles q[k0], q[k2], q[k4], q[k6], q[k1],
+ *         q[k3], q[k5], q[k7] from bit 0 up, so a shift by 4t puts pair t's even input in the low 16-bit half's
+ *         low nibble and its odd input in the high half's (vpermw's bf16 pair, vpermps's even input)
+ *   int8: per pair, 32 bytes: 16 columns' q[., 2p], then 16 columns' q[., 2p + 1]
+ * then the group's 16 fp32 scales (64 bytes). An AVX2 vector takes the second 8 columns at +32 bytes (int4,
+ * scales) or +8 (int8). Rows are taken in gemm.c's tiles (wide: up to 6 rows x 64 columns; tall, for 7-12 rows: 12 x 32
  * at 16 lanes, 12 x 8 at 8; AVX2's wide tiles are 6 x 16): a block's weights are unpacked once per pair and used
  * by every row of the tile.
  */
@@ -46,8 +50,8 @@ typedef __m512i vi;
 #define vbytes(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 /* int4: vpermps reads only an index's low 4 bits: the low nibble, or the high one after a shift */
 #define NIBBLE_TABLE const vf lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-#define v_lo4(e) _mm512_permutexvar_ps(e, lut)
-#define v_hi4(e) _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), lut)
+#define vloadi(p) _mm512_loadu_si512((const void *)(p))
+#define v_nib(e, pos) _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4 * (pos)), lut) /* nibble pos of each lane */
 #else
 #define VW 8
 typedef __m256 vf;
@@ -61,8 +65,8 @@ typedef __m256i vi;
 #define vcvt(i) _mm256_cvtepi32_ps(i)
 #define vbytes(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define NIBBLE_TABLE
-#define v_lo4(e) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(e, 28), 28))
-#define v_hi4(e) _mm256_cvtepi32_ps(_mm256_srai_epi32(e, 4)) /* the byte was sign-extended: so is its high nibble */
+#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
+#define v_nib(e, pos) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(e, 28 - 4 * (pos)), 28))
 #endif
 
 #define BLOCK 16 /* columns per packed block */
@@ -109,7 +113,9 @@ static inline __attribute__((always_inline)) void tile_q(const int R, const int 
                                                          int64_t G2, int64_t groups, const char *w, int64_t bstride,
                                                          int64_t sxo, const float *bias, void *y, int64_t N,
                                                          int out_bf16, int64_t n0) {
-    const int64_t pb = BITS == 4 ? BLOCK : 2 * BLOCK, gbytes = G2 * pb + SCALE_BYTES;
+    /* G2 pairs per group; pb bytes per pair of a block (int4: 4 pairs in one 64-byte step); hb: an AVX2 vector's
+     * second half */
+    const int64_t pb = BITS == 4 ? BLOCK : 2 * BLOCK, gbytes = G2 * pb + SCALE_BYTES, hb = BITS == 4 ? 32 : 8;
     NIBBLE_TABLE
     float acc[MR_TALL][NV_WIDE][VW] __attribute__((aligned(64)));
     _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
@@ -120,24 +126,21 @@ static inline __attribute__((always_inline)) void tile_q(const int R, const int 
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vzero();
         const char *wg = w + g * gbytes;
         const float *xg = x + g * G2 * R * 2;
-        for (int64_t p = 0; p < G2; p++) {
-            const float *xp = xg + p * R * 2;
+        const int step = BITS == 4 ? 4 : 1; /* pairs per load */
+        for (int64_t p0 = 0; p0 < G2; p0 += step) {
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
-                const char *wv = wg + (v / VPB) * bstride + p * pb + (v % VPB) * 8;
-                if (v % VPB == 0 && (BITS == 8 || (p & 1) == 0)) _mm_prefetch(wv + PREFETCH, PF_HINT);
-                vf w1, w0;
-                if (BITS == 4) {
-                    const vi e = vbytes(wv);
-                    w1 = v_hi4(e);
-                    w0 = v_lo4(e);
-                } else {
-                    w0 = vcvt(vbytes(wv));
-                    w1 = vcvt(vbytes(wv + BLOCK));
+                const char *wv = wg + (v / VPB) * bstride + p0 * pb + (v % VPB) * hb;
+                if (v % VPB == 0) _mm_prefetch(wv + PREFETCH, PF_HINT);
+                const vi e = BITS == 4 ? vloadi(wv) : vbytes(wv);
+                _Pragma("GCC unroll 4") for (int t = 0; t < step; t++) {
+                    const float *xp = xg + (p0 + t) * R * 2;
+                    const vf w1 = BITS == 4 ? v_nib(e, 4 + t) : vcvt(vbytes(wv + BLOCK));
+                    const vf w0 = BITS == 4 ? v_nib(e, t) : vcvt(e);
+                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                        s[m][v] = vfma(vbcast(xp + 2 * m + 1), w1, s[m][v]);
+                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                        s[m][v] = vfma(vbcast(xp + 2 * m), w0, s[m][v]);
                 }
-                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
-                    s[m][v] = vfma(vbcast(xp + 2 * m + 1), w1, s[m][v]);
-                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
-                    s[m][v] = vfma(vbcast(xp + 2 * m), w0, s[m][v]);
             }
         }
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
@@ -153,16 +156,71 @@ static inline __attribute__((always_inline)) void tile_q(const int R, const int 
             store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
 }
 
+#if defined(__AVX512BF16__)
+/* bf16 bits of a nibble's value (0 .. 7, -8 .. -1), twice: vpermw's 32 entries */
+static const uint16_t BF16_NIBBLE[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
+    0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0,
+    0xC080, 0xC040, 0xC000, 0xBF80};
+
+/* int4 weights, bf16 x: the same chain through vdpbf16ps. x as bf16 pairs, x[p * R + m] = bits of x[m, 2p] |
+ * x[m, 2p + 1] << 16 (gemm.c's); vpermw reads a 16-bit index's low 5 bits, so the table repeats its 16 values. */
+static inline __attribute__((always_inline)) void tile_dp4(const int R, const int NV, const uint32_t *x, int64_t G2,
+                                                           int64_t groups, const char *w, int64_t bstride,
+                                                           const float *bias, void *y, int64_t N, int out_bf16,
+                                                           int64_t n0) {
+    const int64_t gbytes = G2 * BLOCK + SCALE_BYTES;
+    const __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
+    float acc[MR_TALL][NV_WIDE][VW] __attribute__((aligned(64)));
+    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) vstoref(acc[m][v], vzero());
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 s[MR_TALL][NV_WIDE];
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vzero();
+        const char *wg = w + g * gbytes;
+        const uint32_t *xg = x + g * G2 * R;
+        for (int64_t p0 = 0; p0 < G2; p0 += 4) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                const char *wv = wg + v * bstride + p0 * BLOCK;
+                _mm_prefetch(wv + PREFETCH, PF_HINT);
+                const __m512i e = _mm512_loadu_si512((const void *)wv);
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                    const __m512bh wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut);
+                    const uint32_t *xp = xg + (p0 + t) * R;
+                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                        s[m][v] = _mm512_dpbf16_ps(s[m][v], wb, (__m512bh)_mm512_set1_epi32((int)xp[m]));
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+            const vf sc = vloadf((const float *)(wg + v * bstride + G2 * BLOCK));
+            _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+                vstoref(acc[m][v], vfma(s[m][v], sc, vloadf(acc[m][v])));
+        }
+    }
+    const size_t elt = out_bf16 ? 2 : 4;
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+            store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
+}
+#endif
+
 /* One out-of-line function per (bits, rows, vectors), as gemm.c's: each tile gets the whole register file. */
-typedef void (*qtile_fn)(const float *x, int64_t G2, int64_t groups, const char *w, int64_t bstride, int64_t sxo,
+typedef void (*qtile_fn)(const void *x, int64_t G2, int64_t groups, const char *w, int64_t bstride, int64_t sxo,
                          const float *bias, void *y, int64_t N, int ob, int64_t n0);
 #define INST1(BITS, R, NV)                                                                                         \
-    static __attribute__((noinline)) void q##BITS##_##R##_##NV(const float *x, int64_t G2, int64_t groups,         \
+    static __attribute__((noinline)) void q##BITS##_##R##_##NV(const void *x, int64_t G2, int64_t groups,          \
                                                                const char *w, int64_t bstride, int64_t sxo,       \
                                                                const float *bias, void *y, int64_t N, int ob,     \
                                                                int64_t n0) {                                      \
-        tile_q(R, NV, BITS, x, G2, groups, w, bstride, sxo, bias, y, N, ob, n0);                                   \
+        (void)sxo;                                                                                                 \
+        TILE_##BITS(R, NV, x, G2, groups, w, bstride, sxo, bias, y, N, ob, n0);                                    \
     }
+#define TILE_4(R, NV, x, ...) tile_q(R, NV, 4, (const float *)(x), __VA_ARGS__)
+#define TILE_8(R, NV, x, ...) tile_q(R, NV, 8, (const float *)(x), __VA_ARGS__)
+#define TILE_dp4(R, NV, x, G2, groups, w, bstride, sxo, ...) tile_dp4(R, NV, (const uint32_t *)(x), G2, groups, w, \
+                                                                     bstride, __VA_ARGS__)
 #if VW == 16
 #define INST_WIDE(B, R) INST1(B, R, 1) INST1(B, R, 2) INST1(B, R, 3) INST1(B, R, 4)
 #define INST_TALL(B, R) INST1(B, R, 1) INST1(B, R, 2)
@@ -183,47 +241,67 @@ typedef void (*qtile_fn)(const float *x, int64_t G2, int64_t groups, const char 
 
 INST_ALL(4)
 INST_ALL(8)
+#if defined(__AVX512BF16__)
+INST_ALL(dp4)
+#endif
 
 /* x: [M, K] rows ldx elements apart, fp32 or bf16 (in_bf16); wp: packed weight (see the top) of `bits` (4, 8)
  * with `group` inputs per scale; bias: fp32 [N] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32. Tiles as
  * vs_linear's (gemm.c). Returns 0, -1 if out of memory, -2 for bits, group or K the layout cannot hold. */
 int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int bits,
                int64_t group, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
-    if ((bits != 4 && bits != 8) || group <= 0 || K <= 0 || K % group || (group % 2 && group != K)) return -2;
+    const int64_t align = bits == 4 ? 8 : 2; /* inputs per load step */
+    if ((bits != 4 && bits != 8) || group <= 0 || K <= 0 || K % group || (group % align && group != K)) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int wide = M <= MR_WIDE || M > MR_TALL;
     const int64_t nv_unit = wide ? NV_WIDE : NV_TALL, mr = wide ? MR_WIDE : MR_TALL;
-    const int64_t groups = K / group, G2 = (group + 1) / 2, K2 = groups * G2;
-    /* x rearranged per chunk of mr rows, chunk c at offset c * mr * K2 * 2 floats, interleaved by pair */
+    const int64_t groups = K / group, G2 = (group + align - 1) / align * align / 2, K2 = groups * G2;
+#if defined(__AVX512BF16__)
+    const int dp = bits == 4 && in_bf16; /* bf16 x on int4: vdpbf16ps on x's own bits */
+#else
+    const int dp = 0;
+#endif
+    /* x rearranged per chunk of mr rows, interleaved by pair (pad inputs zero): fp32 x[(p * rows + m) * 2 + e]
+     * at chunk offset m0 * K2 * 2 floats, or (dp) bf16 pairs x[p * rows + m] at m0 * K2 */
     float *xbuf = malloc((size_t)(M * K2 * 2) * sizeof(float));
     if (!xbuf) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += mr) {
         const int64_t rows = M - m0 < mr ? M - m0 : mr;
-        float *dst = xbuf + m0 * K2 * 2;
         for (int64_t m = 0; m < rows; m++) {
             const char *src = (const char *)x + (size_t)(m0 + m) * ldx * (in_bf16 ? 2 : 4);
             for (int64_t k = 0; k < 2 * K2; k++) {
-                float v = 0.0f;
-                if (k < K) v = in_bf16 ? bf16_value(((const uint16_t *)src)[k]) : ((const float *)src)[k];
-                dst[((k / 2) * rows + m) * 2 + (k % 2)] = v;
+                const int64_t kk = k / (2 * G2) * group + k % (2 * G2); /* the input at padded position k */
+                const int in = k % (2 * G2) < group;
+                if (dp) {
+                    uint16_t *dst = (uint16_t *)((uint32_t *)xbuf + m0 * K2);
+                    dst[((k / 2) * rows + m) * 2 + (k % 2)] = in ? ((const uint16_t *)src)[kk] : 0;
+                } else {
+                    float v = 0.0f;
+                    if (in) v = in_bf16 ? bf16_value(((const uint16_t *)src)[kk]) : ((const float *)src)[kk];
+                    xbuf[m0 * K2 * 2 + ((k / 2) * rows + m) * 2 + (k % 2)] = v;
+                }
             }
         }
     }
     const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
     const int64_t bstride = groups * (G2 * (bits == 4 ? BLOCK : 2 * BLOCK) + SCALE_BYTES);
-    const size_t yelt = out_bf16 ? 2 : 4;
+    /* a unit starting at an AVX2 block's second half (tall tiles: one vector) starts hb bytes into each load of
+     * its columns, and 32 into its scales (sxo more than hb) */
+    const int64_t hb = bits == 4 ? 32 : 8, sxo = 32 - hb;
+    const size_t yelt = out_bf16 ? 2 : 4, xunit = dp ? 1 : 2; /* 4-byte units per (row, pair) of x */
     const qtile_fn(*table)[NV_WIDE] = bits == 4 ? q4_table : q8_table;
+#if defined(__AVX512BF16__)
+    if (dp) table = qdp4_table;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
         const int64_t v0 = u * nv_unit, nv = nvec - v0 < nv_unit ? nvec - v0 : nv_unit;
         const int64_t n0 = v0 * VW;
-        /* a unit starting at an AVX2 block's second half (tall tiles: one vector): its columns +8 bytes into each
-         * pair, its scales +32 (24 more than the +8 already in w) */
-        const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * 8;
+        const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * hb;
         for (int64_t m0 = 0; m0 < M; m0 += mr) {
             const int rows = (int)(M - m0 < mr ? M - m0 : mr);
-            table[rows][nv - 1](xbuf + m0 * K2 * 2, G2, groups, wb, bstride, (v0 % VPB) * 24, bias,
-                                (char *)y + (size_t)m0 * N * yelt, N, out_bf16, n0);
+            table[rows][nv - 1]((const uint32_t *)xbuf + m0 * K2 * xunit, G2, groups, wb, bstride, (v0 % VPB) * sxo,
+                                bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, n0);
         }
     }
     free(xbuf);
