@@ -920,6 +920,32 @@ def test_stream_disconnect_aborts(srv):
     assert metric(m, "kv_cache_usage_perc") == 0
 
 
+def test_stream_response_aborts_however_it_ends():
+    """A chat stream yields its role chunk before it enters the engine's stream; a client gone while that chunk is
+    being sent (send raises) left the generator suspended there, its cleanup never ran, and the request decoded
+    to max_tokens for nobody. The SSE response itself aborts its request however it ends."""
+    from starlette.requests import ClientDisconnect
+
+    aborted: list[str] = []
+    state = type("State", (), {"engine": type("Eng", (), {"abort": lambda self, rid: aborted.append(rid)})()})()
+
+    async def body():
+        yield "data: {}\n\n"  # the role chunk
+        aborted.append("reached the engine's stream")  # never: the client is gone
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    response = app_module._EngineStream(state, "chatcmpl-1", body(), media_type="text/event-stream")
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    assert aborted == ["chatcmpl-1"]
+
+
 def test_non_stream_client_timeout_aborts(srv):
     """E2: a non-streaming client that gives up (read timeout) while tokens are still being generated has its
     request aborted, not run to the end."""
@@ -986,6 +1012,25 @@ def test_async_generate_aclose_aborts(ckpt):
         eng.check_invariants()
     finally:
         aeng.shutdown()
+
+
+def test_shutdown_answers_waiting_and_refuses_new_requests(ckpt):
+    """A request waiting on an engine that shuts down gets an error instead of waiting forever, and one submitted
+    after the shutdown is refused at once (the app turns that into a 503)."""
+    aeng = _python_engine(ckpt)
+
+    async def main():
+        rid, queue = aeng.submit([1, 2, 3], SamplingParams(max_tokens=10_000, ignore_eos=True), RequestSpec())
+        outputs = aeng.stream(rid, queue)
+        await anext(outputs)  # running
+        aeng.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            async for _ in outputs:
+                pass
+        with pytest.raises(RuntimeError, match="shut down"):
+            aeng.submit([1, 2, 3], SamplingParams(max_tokens=2), RequestSpec())
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 # ---- C2: forced rejection, small KV pool ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ task cancellation) aborts the request and frees its cache at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import threading
@@ -84,10 +85,16 @@ class AsyncEngine:
                 self.last_step_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001  (reported through /ready and to every waiting request)
             self.error = e
-            with self._sinks_lock:
-                sinks = list(self._sinks.items())
-            for rid, (loop, queue) in sinks:
-                loop.call_soon_threadsafe(queue.put_nowait, e)
+            self._fail_waiting(e)
+            return
+        self._fail_waiting(RuntimeError("the engine was shut down"))  # nobody will answer them now
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        with self._sinks_lock:
+            sinks = list(self._sinks.items())
+        for _rid, (loop, queue) in sinks:
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is already closed
+                loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._sinks_lock:
@@ -105,6 +112,8 @@ class AsyncEngine:
         """Queue a request (raises ConfigError / QueueFull at once) and return its id and output queue."""
         if self.error is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.error!r}")
+        if self._stop.is_set():  # queued on a stopped loop, the request would wait forever
+            raise RuntimeError("the engine was shut down")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         rid = request_id or f"req-{uuid.uuid4().hex}"

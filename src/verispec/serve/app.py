@@ -235,15 +235,18 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error")
         return _error_response(APIError(500, "internal error", type="server_error"))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes; uvicorn drops the body
+    @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])
+    @app.get("/ready")
     async def ready():
         if state.ready and state.engine.alive:
             return {"status": "ready"}
         return JSONResponse({"status": "not ready"}, status_code=503)
+
+    for path, route in (("/health", health), ("/ready", ready)):  # HEAD for probes (uvicorn drops the body); one
+        app.add_api_route(path, route, methods=["HEAD"], include_in_schema=False)  # operation each in the schema
 
     @app.get("/metrics")
     async def metrics():
@@ -351,8 +354,8 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         raise APIError(503, str(e), type="server_error") from None
     shape = _Shape(rid, state.model_name, chat, int(time.time()))
     if stream:
-        return StreamingResponse(_sse(state, shape, rid, queue, len(prompt_ids), include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _EngineStream(state, rid, _sse(state, shape, rid, queue, len(prompt_ids), include_usage),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text, result = [], None
     outputs = state.engine.stream(rid, queue)
     pending: asyncio.Task | None = None
@@ -425,6 +428,22 @@ class _Shape:
         return {**self._base(True), "choices": [], "usage": usage}
 
 
+class _EngineStream(StreamingResponse):
+    """An SSE response that aborts its request however the response ends. A client gone before the body's first
+    chunk is read cancels the response while `_sse` has not started (or sits at the chat role chunk), so the
+    generator's own cleanup never runs and the request would decode to max_tokens for nobody."""
+
+    def __init__(self, state: ServerState, rid: str, content: AsyncIterator[str], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._state, self._rid = state, rid
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._state.engine.abort(self._rid)  # idempotent: a no-op for a finished request
+
+
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -432,7 +451,8 @@ def _event(obj: dict) -> str:
 async def _sse(
     state: ServerState, shape: _Shape, rid: str, queue: asyncio.Queue, prompt_tokens: int, include_usage: bool
 ) -> AsyncIterator[str]:
-    # Leaving this generator early (client gone: Starlette cancels it) closes engine.stream, which aborts.
+    # Leaving this generator early (client gone: Starlette cancels it) closes engine.stream, which aborts; _EngineStream
+    # aborts too where it never got that far.
     if shape.chat:
         yield _event(shape.chunk(None, role=True))
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verispec.config import EngineConfig
+from verispec.config import DEFAULT_DTYPE, EngineConfig
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
 from verispec.errors import ConfigError
@@ -16,7 +16,7 @@ from verispec.serve.protocol import ServeLimits
 
 
 def build_state(
-    target_dir: Path, config: EngineConfig, *, dtype: str = "bf16", api_key: str | None = None,
+    target_dir: Path, config: EngineConfig, *, dtype: str = DEFAULT_DTYPE, api_key: str | None = None,
     model_name: str | None = None, max_body_bytes: int = 4 << 20, context_limit: int | None = None,
     drafters: tuple[str, ...] = (), limits: ServeLimits = ServeLimits(),
 ) -> ServerState:
