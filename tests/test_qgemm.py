@@ -143,3 +143,5 @@ def test_qpack_and_qlinear_refuse_what_the_kernel_cannot_read():
         native.qlinear(torch.randn(3, 64), bad)
     with pytest.raises(ValueError, match="qpack"):
         native.qlinear(torch.randn(3, 64), native.QPacked(packed.data, 40, 64, 8, 32))  # bits it was not packed for
+    with pytest.raises(ValueError, match="group 0"):
+        native.qlinear(torch.randn(3, 64), native.QPacked(packed.data, 40, 64, 4, 0))

@@ -398,6 +398,8 @@ def qlinear(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native qlinear: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if packed.bits not in (4, 8) or packed.group <= 0 or k % packed.group:
+        raise ValueError(f"native qlinear: bits {packed.bits} / group {packed.group} is not a qpack() of K = {k}")
     align = 8 if packed.bits == 4 else 2
     gp = -(-packed.group // align) * align
     want = (-(-n // BLOCK), k // packed.group, gp * BLOCK * packed.bits // 8 + 4 * BLOCK)  # weights, 16 scales
