@@ -4,6 +4,11 @@
  * or verify step's few rows, the dozens of small torch ops per layer cost more than the matmuls; here they are
  * loops over a few rows between the matmuls (gemm.c) and attention (attention.c).
  *
+ * A layer's four matmuls may each be dense (gemm.c's packs) or weight-only int8/int4 (qgemm.c's packs, bits and
+ * group per weight). qgemm.c is a library of its own (native.py), so its vs_qlinear of the active instruction set
+ * comes in as a pointer with each call; a quantized matmul is that one call, with the per-layer path's arguments
+ * (x as the activations or their bf16 bits, fp32 out, then the same rounding), so it gives what QuantLinear gives.
+ *
  * Numerics follow the torch path: with act_bf16 every value the torch path holds in bf16 is rounded to bf16 (to
  * nearest even) at the same point (after each matmul, norm, RoPE product and sum, SiLU, product and residual
  * add), the cache and attention are fp32, and matmuls accumulate in fp32. Only summation orders inside a norm
@@ -25,9 +30,19 @@ int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int
                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
                  float *out, int64_t causal_from, float scale, int threads);
 
+/* qgemm.c's entry point (see vs_qlinear there) */
+typedef int (*vs_qlinear_fn)(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int bits,
+                             int64_t group, const float *bias, int64_t N, void *y, int out_bf16, int threads);
+
 typedef struct {
-    const void *qkv, *o, *gate_up, *down; /* packed weights (gemm.c) */
-    int32_t qkv_bf16, o_bf16, gate_up_bf16, down_bf16;
+    const void *data;                     /* packed weight: gemm.c's (bits 0) or qgemm.c's */
+    int32_t bf16;                         /* dense: bf16 (else fp32) weights */
+    int32_t bits;                         /* 0: dense; 4 or 8: weight-only int, `group` inputs per scale */
+    int64_t group;
+} vs_weight;
+
+typedef struct {
+    vs_weight qkv, o, gate_up, down;
     const float *qkv_bias, *o_bias;       /* pad_bias()ed, or NULL */
     const float *ln1, *ln2, *q_norm, *k_norm; /* fp32 norm weights [d] and [D]; q/k norms NULL without them */
 } vs_layer;
@@ -114,13 +129,22 @@ static const void *mm_input(const float *x, int64_t n, int bf16, uint16_t *bits)
     return bits;
 }
 
+/* y [M, N] fp32 = x [M, K] @ w^T (+ bias), by gemm.c or (w->bits) qgemm.c; -2 for a quantized weight without qlin. */
+static int matmul(const vs_weight *w, vs_qlinear_fn qlin, const void *x, int in_bf16, int64_t M, int64_t K,
+                  const float *bias, int64_t N, float *y, int threads) {
+    if (!w->bits) return vs_linear(x, in_bf16, M, K, K, w->data, w->bf16, bias, N, y, 0, threads);
+    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, bias, N, y, 0, threads) : -2;
+}
+
 /* tokens: [N] ids (checked by the caller); seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers,
  * each NULL or an [N, d] output in the activation dtype (0: the embedding, l: decoder layer l's output); logit_rows:
  * [n_logits] rows whose final-norm LM-head logits go to logits [n_logits, vocab] in the activation dtype.
  * Returns 0, -1 out of memory, -2 bad shapes, -3 a token id out of range, -4 a logit row out of range (both checked
- * before anything is written), or the first failing kernel's code. */
+ * before anything is written), or the first failing kernel's code. qlin: qgemm.c's vs_qlinear, or NULL where
+ * no weight is quantized. */
 int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, const vs_seq *seqs, int64_t nseq,
-                       void *const *hidden, const int64_t *logit_rows, int64_t n_logits, void *logits, int threads) {
+                       void *const *hidden, const int64_t *logit_rows, int64_t n_logits, void *logits, int threads,
+                       vs_qlinear_fn qlin) {
     const int64_t d = m->d, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, F = m->ffn;
     const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
     const int bf16 = m->act_bf16;
@@ -170,8 +194,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         const vs_layer *L = m->layer + l;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln1, d, m->eps, bf16, h + r * d);
-        if ((rc = vs_linear(mm_input(h, N * d, bf16, bits), bf16, N, d, d, L->qkv, L->qkv_bf16, L->qkv_bias, nqkv,
-                            big, 0, threads)))
+        if ((rc = matmul(&L->qkv, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, L->qkv_bias, nqkv, big, threads)))
             goto done;
         round_all(big, N * nqkv, bf16);
         for (int64_t s = 0, r0 = 0; s < nseq; r0 += seqs[s].rows, s++) {
@@ -201,21 +224,18 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
                 goto done;
         }
         round_all(att, N * nq, bf16);
-        if ((rc = vs_linear(mm_input(att, N * nq, bf16, bits), bf16, N, nq, nq, L->o, L->o_bf16, L->o_bias, d, h, 0,
-                            threads)))
+        if ((rc = matmul(&L->o, qlin, mm_input(att, N * nq, bf16, bits), bf16, N, nq, L->o_bias, d, h, threads)))
             goto done;
         for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln2, d, m->eps, bf16, h + r * d);
-        if ((rc = vs_linear(mm_input(h, N * d, bf16, bits), bf16, N, d, d, L->gate_up, L->gate_up_bf16, NULL, 2 * F,
-                            big, 0, threads)))
+        if ((rc = matmul(&L->gate_up, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, NULL, 2 * F, big, threads)))
             goto done;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) silu_mul(big + r * 2 * F, F, bf16);
         float *gate = big; /* rows 2F apart: compact them for the down projection */
         for (int64_t r = 1; r < N; r++) memmove(gate + r * F, gate + r * 2 * F, (size_t)F * sizeof(float));
-        if ((rc = vs_linear(mm_input(gate, N * F, bf16, bits), bf16, N, F, F, L->down, L->down_bf16, NULL, d, h, 0,
-                            threads)))
+        if ((rc = matmul(&L->down, qlin, mm_input(gate, N * F, bf16, bits), bf16, N, F, NULL, d, h, threads)))
             goto done;
         for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
         if (hidden && hidden[l + 1]) store_act(x, N * d, bf16, hidden[l + 1]);

@@ -65,6 +65,7 @@ _lock = threading.RLock()
 _state: dict[str, object] = {}  # "lib": the active library or None, once decided; "features": cpu.c's bits
 _libs: dict[str, ctypes.CDLL] = {}  # every variant loaded so far, by ISA
 _qlibs: dict[str, ctypes.CDLL] = {}  # qgemm.c's, by ISA
+_qaddrs: dict[str, int] = {}  # the address of each one's vs_qlinear, for decoder.c
 
 
 def _compiler() -> str:
@@ -120,7 +121,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
         "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, cint, ptr, cint, ptr, cint,
                                   ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
-        "vs_decoder_forward": (cint, [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint]),
+        "vs_decoder_forward": (cint, [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint, ptr]),
         "vs_isa": (cint, []),
     }
     for name, (res, args) in sigs.items():
@@ -375,6 +376,27 @@ def qpack(
     return QPacked(data, n, k, bits, group)
 
 
+def _check_qpacked(packed: QPacked, what: str) -> None:
+    """A QPacked's data is what qpack() makes of its n, k, bits and group: qgemm.c reads that many bytes."""
+    n, k = packed.n, packed.k
+    if packed.bits not in (4, 8) or packed.group <= 0 or k % packed.group:
+        raise ValueError(f"native {what}: bits {packed.bits} / group {packed.group} is not a qpack() of K = {k}")
+    align = 8 if packed.bits == 4 else 2
+    gp = -(-packed.group // align) * align
+    want = (-(-n // BLOCK), k // packed.group, gp * BLOCK * packed.bits // 8 + 4 * BLOCK)  # weights, 16 scales
+    if tuple(packed.data.shape) != want or packed.data.dtype != torch.uint8 or not packed.data.is_contiguous() \
+            or packed.data.device.type != "cpu":
+        raise ValueError(f"native {what}: packed data {tuple(packed.data.shape)} is not qpack()'s {want}")
+
+
+def _qlinear_address() -> int:
+    """The address of the active instruction set's vs_qlinear (qgemm.c), which decoder.c calls for int weights."""
+    name = isa()
+    if name not in _qaddrs:
+        _qaddrs[name] = ctypes.cast(_qlibrary().vs_qlinear, ctypes.c_void_p).value  # type: ignore[arg-type,index]
+    return _qaddrs[name]  # type: ignore[index]
+
+
 def qlinear(
     x: torch.Tensor,  # [..., K] fp32 or bf16, CPU, contiguous
     packed: QPacked,  # qpack(q [N, K], scales, group, bits)
@@ -398,13 +420,7 @@ def qlinear(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native qlinear: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    if packed.bits not in (4, 8) or packed.group <= 0 or k % packed.group:
-        raise ValueError(f"native qlinear: bits {packed.bits} / group {packed.group} is not a qpack() of K = {k}")
-    align = 8 if packed.bits == 4 else 2
-    gp = -(-packed.group // align) * align
-    want = (-(-n // BLOCK), k // packed.group, gp * BLOCK * packed.bits // 8 + 4 * BLOCK)  # weights, 16 scales
-    if tuple(packed.data.shape) != want or packed.data.dtype != torch.uint8 or not packed.data.is_contiguous():
-        raise ValueError(f"native qlinear: packed data {tuple(packed.data.shape)} is not qpack()'s {want}")
+    _check_qpacked(packed, "qlinear")
     m = x.numel() // k
     y = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
     rc = lib.vs_qlinear(x.data_ptr(), x.dtype == torch.bfloat16, m, k, k, packed.data.data_ptr(), packed.bits,
@@ -564,12 +580,21 @@ def block_layer(
 
 # ---- the target's forward in one call (decoder.c) -----------------------------------------------------------------
 
+class WeightDesc(ctypes.Structure):  # decoder.c's vs_weight
+    _fields_ = [("data", ctypes.c_void_p), ("bf16", ctypes.c_int32), ("bits", ctypes.c_int32),
+                ("group", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, p: Packed | QPacked) -> WeightDesc:
+        if isinstance(p, QPacked):
+            return cls(p.data.data_ptr(), 0, p.bits, p.group)
+        return cls(p.data.data_ptr(), p.bf16, 0, 0)
+
+
 class LayerDesc(ctypes.Structure):  # decoder.c's vs_layer
-    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
-                ("down", ctypes.c_void_p), ("qkv_bf16", ctypes.c_int32), ("o_bf16", ctypes.c_int32),
-                ("gate_up_bf16", ctypes.c_int32), ("down_bf16", ctypes.c_int32), ("qkv_bias", ctypes.c_void_p),
-                ("o_bias", ctypes.c_void_p), ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+    _fields_ = [("qkv", WeightDesc), ("o", WeightDesc), ("gate_up", WeightDesc), ("down", WeightDesc),
+                ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p), ("ln1", ctypes.c_void_p),
+                ("ln2", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class ModelDesc(ctypes.Structure):  # decoder.c's vs_model
@@ -587,10 +612,12 @@ class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
-    qkv: Packed  # [(H + 2 Hkv) D, d]
-    o: Packed  # [d, H D]
-    gate_up: Packed  # [2 F, d]
-    down: Packed  # [d, F]
+    """A layer's matmuls, each dense (pack()) or weight-only int8/int4 (qpack()), given as (out, in)."""
+
+    qkv: Packed | QPacked  # [(H + 2 Hkv) D, d]
+    o: Packed | QPacked  # [d, H D]
+    gate_up: Packed | QPacked  # [2 F, d]
+    down: Packed | QPacked  # [d, F]
     ln1: torch.Tensor  # fp32 [d]
     ln2: torch.Tensor  # fp32 [d]
     qkv_bias: torch.Tensor | None = None  # pad_bias()ed
@@ -625,6 +652,8 @@ class Decoder:
                 p = getattr(lw, name)
                 if (p.k, p.n) != want:
                     raise ValueError(f"native decoder: layer {i} {name} takes (in, out) {(p.k, p.n)}, expected {want}")
+                if isinstance(p, QPacked):
+                    _check_qpacked(p, f"decoder layer {i} {name}")
             _check_bias(lw.qkv_bias, shapes["qkv"][1], "decoder qkv bias")
             _check_bias(lw.o_bias, d, "decoder o bias")
             norms = [(lw.ln1, d), (lw.ln2, d)] + [(t, hd) for t in (lw.q_norm, lw.k_norm) if t is not None]
@@ -632,10 +661,8 @@ class Decoder:
                     t.dtype != torch.float32 or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous()
                     for t, n in norms):
                 raise ValueError(f"native decoder: layer {i} norms must be contiguous fp32 [d] (and [D] for q/k)")
-            descs.append(LayerDesc(lw.qkv.data.data_ptr(), lw.o.data.data_ptr(), lw.gate_up.data.data_ptr(),
-                                   lw.down.data.data_ptr(), lw.qkv.bf16, lw.o.bf16, lw.gate_up.bf16, lw.down.bf16,
-                                   _ptr(lw.qkv_bias), _ptr(lw.o_bias), _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.q_norm),
-                                   _ptr(lw.k_norm)))
+            descs.append(LayerDesc(*(WeightDesc.of(getattr(lw, name)) for name in shapes), _ptr(lw.qkv_bias),
+                                   _ptr(lw.o_bias), _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.q_norm), _ptr(lw.k_norm)))
         if final_norm.shape != (d,) or (lm_head.k, lm_head.n) != (d, vocab):
             raise ValueError("native decoder: final norm [d] and LM head [vocab, d] expected")
         self._keep = (embed, layers, final_norm, lm_head, cos, sin)
@@ -644,6 +671,10 @@ class Decoder:
                               embed.dtype == torch.bfloat16, embed.data_ptr(), final_norm.data_ptr(),
                               lm_head.data.data_ptr(), lm_head.bf16, cos.data_ptr(), sin.data_ptr(), self._layers)
         self.dtype = embed.dtype
+        # int weights: qgemm.c's library, built now (a failure raises here, not in a forward)
+        self.quantized = any(isinstance(getattr(lw, name), QPacked) for lw in layers for name in shapes)
+        if self.quantized:
+            _qlinear_address()
         self.num_layers, self.kv_heads, self.head_dim, self.vocab, self.d = len(layers), hkv, hd, vocab, d
 
     def forward(
@@ -690,7 +721,7 @@ class Decoder:
             return logits, hidden
         rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), n, seqs, len(caches), outs,
                                     logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), _qlinear_address() if self.quantized else None)
         if rc == -1:
             raise MemoryError("native decoder: out of memory")
         if rc == -3:

@@ -12,6 +12,7 @@ import torch
 from verispec.cache import KVCache, PackedBatch
 from verispec.kernels import native
 from verispec.model.packing import PackedLinear, PackedWeight
+from verispec.quant.linear import QuantLinear
 
 
 _version = operator.attrgetter("_version")
@@ -21,29 +22,48 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
+def _matmul(dense: tuple[torch.Tensor | None, PackedWeight | None, torch.Tensor | None], quant: QuantLinear | None,
+            ) -> tuple[native.Packed | native.QPacked, torch.Tensor | None, list[torch.Tensor]]:
+    """One matmul of a layer for decoder.c: (its pack, its pad_bias()ed bias, the tensors it was made from), from a
+    dense (weight, pack, bias) or a QuantLinear (whose frozen buffers are watched all the same)."""
+    if quant is not None:
+        bias = None if quant.bias is None else native.pad_bias(quant.bias)
+        return quant.qpacked(), bias, [t for t in (quant.qweight, quant.scales, quant.bias) if t is not None]
+    weight, packed, bias = dense
+    if packed is None or weight is None:
+        raise ValueError("the native forward needs every matmul packed (Transformer.pack_weights)")
+    return packed.packed, packed.native_bias(bias), [t for t in (weight, bias) if t is not None]
+
+
+def _quant(module: torch.nn.Module | None) -> QuantLinear | None:
+    return module if isinstance(module, QuantLinear) else None
+
+
 class FusedForward:
-    """A packed model's weights described once for decoder.c. `usable()` is false as soon as any weight it was made
-    from changes or moves (the packs are then stale) or a gradient is wanted."""
+    """A packed model's weights described once for decoder.c: each matmul dense (model.packing) or int8/int4
+    (QuantLinear's qgemm.c pack). `usable()` is false as soon as any weight it was made from changes or moves (the
+    packs are then stale) or a gradient is wanted."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
         layers, sources = [], [model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight]
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            packs: list[PackedWeight | None] = [attn.qkv_packed, getattr(attn.o_proj, "packed", None),
-                                                mlp.gate_up_packed, getattr(mlp.down_proj, "packed", None)]
-            if any(p is None for p in packs):
-                raise ValueError("the native forward needs every matmul packed (Transformer.pack_weights)")
-            qkv, o, gate_up, down = packs
+            o, down = attn.o_proj, mlp.down_proj
+            mats = [_matmul((attn.qkv_weight, attn.qkv_packed, attn.qkv_bias), attn.qkv_quant),
+                    _matmul((getattr(o, "weight", None), getattr(o, "packed", None), getattr(o, "bias", None)),
+                            _quant(o)),
+                    _matmul((mlp.gate_up_weight, mlp.gate_up_packed, None), mlp.gate_up_quant),
+                    _matmul((getattr(down, "weight", None), getattr(down, "packed", None), None), _quant(down))]
+            (qkv, qkv_bias, _), (o_pack, o_bias, _), (gate_up, _, _), (down_pack, _, _) = mats
             layers.append(native.DecoderLayerWeights(
-                qkv.packed, o.packed, gate_up.packed, down.packed,
+                qkv, o_pack, gate_up, down_pack,
                 _fp32(layer.input_layernorm.weight), _fp32(layer.post_attention_layernorm.weight),
-                qkv_bias=qkv.native_bias(attn.qkv_bias), o_bias=o.native_bias(attn.o_proj.bias),
+                qkv_bias=qkv_bias, o_bias=o_bias,
                 q_norm=None if attn.q_norm is None else _fp32(attn.q_norm.weight),
                 k_norm=None if attn.k_norm is None else _fp32(attn.k_norm.weight)))
-            sources += [attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight,
-                        layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            sources += [t for t in (attn.qkv_bias, attn.o_proj.bias) if t is not None]
+            sources += [t for _, _, made_from in mats for t in made_from]
+            sources += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             sources += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
         if not isinstance(model.lm_head, PackedLinear) or model.lm_head.packed is None:
             raise ValueError("the native forward needs a packed LM head")

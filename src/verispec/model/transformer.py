@@ -10,6 +10,7 @@ from torch import nn
 
 from verispec.cache import KVCache, PackedBatch, causal_mask
 from verispec.config import ModelConfig
+from verispec.kernels import native
 from verispec.model.fused import FusedForward
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from verispec.model.packing import PackedLinear, pack_nbytes, packing_supported, physical_memory
@@ -74,8 +75,8 @@ class Transformer(nn.Module):
             layer.mlp.pack()
         self.lm_head = PackedLinear(self.lm_head)
         cfg = self.config
-        # decoder.c takes dense packs only: a model with QuantLinears keeps the per-layer path.
-        if cfg.head_dim % 8 == 0 and cfg.head_dim <= 256 and not self.quantized:
+        # decoder.c runs QuantLinears through qgemm.c: where that kernel is not built, they keep the per-layer path.
+        if cfg.head_dim % 8 == 0 and cfg.head_dim <= 256 and (not self.quantized or native.qavailable()):
             self.fused = FusedForward(self)
         return self
 

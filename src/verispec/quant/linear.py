@@ -78,13 +78,18 @@ class QuantLinear(nn.Module):
         self._dense, self._qpacked = {}, None
         return super()._apply(fn, recurse)
 
+    def qpacked(self) -> native.QPacked:
+        """The weight in qgemm.c's layout (native.qpack), made on first use and kept until the buffers move; the
+        native forward (model.fused) describes the same pack to decoder.c."""
+        if self._qpacked is None:
+            self._qpacked = native.qpack(self.qweight.contiguous(), self.scales.float().contiguous(),
+                                         self.group_size, self.bits)
+        return self._qpacked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _native_quant():
-            if self._qpacked is None:
-                self._qpacked = native.qpack(self.qweight.contiguous(), self.scales.float().contiguous(),
-                                             self.group_size, self.bits)
             bias = None if self.bias is None else self.bias.float().contiguous()
-            y = native.qlinear(x.reshape(-1, self.in_features).contiguous(), self._qpacked, bias, x.dtype)
+            y = native.qlinear(x.reshape(-1, self.in_features).contiguous(), self.qpacked(), bias, x.dtype)
             return y.view(*x.shape[:-1], self.out_features)
         key = (x.dtype, x.device)
         if key not in self._dense:
