@@ -32,6 +32,8 @@ def _matmul(dense: tuple[torch.Tensor | None, PackedWeight | None, torch.Tensor 
     weight, packed, bias = dense
     if packed is None or weight is None:
         raise ValueError("the native forward needs every matmul packed (Transformer.pack_weights)")
+    if not packed.valid_for(weight):  # e.g. packed, then .to(another dtype) without packing again
+        raise ValueError("a matmul's pack was made from another tensor than its weight: pack_weights again")
     return packed.packed, packed.native_bias(bias), [t for t in (weight, bias) if t is not None]
 
 

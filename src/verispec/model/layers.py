@@ -125,7 +125,7 @@ class Attention(nn.Module):
         """Inference only, after fuse(): the matmuls this layer runs use packed weights (see model.packing).
         QuantLinears pack themselves on first use."""
         self.qkv_packed = pack(self.qkv_weight)
-        if isinstance(self.o_proj, nn.Linear):
+        if not isinstance(self.o_proj, QuantLinear):  # a PackedLinear too: packing again after .to() repacks
             self.o_proj = PackedLinear(self.o_proj)
 
     def forward(
@@ -203,7 +203,7 @@ class MLP(nn.Module):
     def pack(self) -> None:
         """Inference only, after fuse(): the matmuls this MLP runs use packed weights (see model.packing)."""
         self.gate_up_packed = pack(self.gate_up_weight)
-        if isinstance(self.down_proj, nn.Linear):
+        if not isinstance(self.down_proj, QuantLinear):  # a PackedLinear too: packing again after .to() repacks
             self.down_proj = PackedLinear(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
