@@ -25,42 +25,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
 #include "vecmath.h"
 
 #if defined(__AVX512F__)
-#define VW 16 /* fp32 lanes per vector */
-typedef __m512 vf;
-typedef __m512i vi;
-#define vzero() _mm512_setzero_ps()
-#define vbcast(p) _mm512_set1_ps(*(p))
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm512_add_ps(a, b)
-#define vloadf(p) _mm512_loadu_ps(p)
-#define vstoref(p, v) _mm512_storeu_ps(p, v)
-#define vloadi(p) _mm512_loadu_si512((const void *)(p))
 #define v_odd(r) _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)))
 #define v_even(r) _mm512_castsi512_ps(_mm512_slli_epi32(r, 16))
 #else
-#define VW 8
-typedef __m256 vf;
-typedef __m256i vi;
-#define vzero() _mm256_setzero_ps()
-#define vbcast(p) _mm256_broadcast_ss(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm256_add_ps(a, b)
-#define vloadf(p) _mm256_loadu_ps(p)
-#define vstoref(p, v) _mm256_storeu_ps(p, v)
-#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
 #define v_odd(r) _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)))
 #define v_even(r) _mm256_castsi256_ps(_mm256_slli_epi32(r, 16))
 #endif
 
-#define BLOCK 16 /* columns per packed block */
-#define VPB (BLOCK / VW) /* vectors per block: 1 (AVX-512) or 2 (AVX2) */
-#define MR_WIDE 6
-#define MR_TALL 12
-#define NV_WIDE (VW == 16 ? 4 : 2) /* vectors per wide tile: 64 columns (AVX-512), 16 (AVX2) */
-#define NV_TALL (VW == 16 ? 2 : 1) /* vectors per tall tile */
 /* Software prefetch distance and hint in each block's stream. A decode or verify step streams every weight from
  * memory once and the FMAs of a tile wait on those loads; fetching 2 KB ahead overlaps the two (2-vCPU Zen 3, a
  * 33-matmul bf16 forward out of cache: 5.0 -> 3.8 ms at 1 row). Into L2 rather than L1 (2-vCPU Zen 4, the same

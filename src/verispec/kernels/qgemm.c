@@ -33,48 +33,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
 #include "vecmath.h"
 
 #if defined(__AVX512F__)
-#define VW 16 /* fp32 lanes per vector */
-typedef __m512 vf;
-typedef __m512i vi;
-#define vzero() _mm512_setzero_ps()
-#define vbcast(p) _mm512_set1_ps(*(p))
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm512_add_ps(a, b)
-#define vloadf(p) _mm512_loadu_ps(p)
-#define vstoref(p, v) _mm512_storeu_ps(p, v)
 #define vcvt(i) _mm512_cvtepi32_ps(i)
 /* VW columns' bytes, sign-extended to int32 lanes */
 #define vbytes(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 /* int4: vpermps reads only an index's low 4 bits: the low nibble, or the high one after a shift */
 #define NIBBLE_TABLE const vf lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-#define vloadi(p) _mm512_loadu_si512((const void *)(p))
 #define v_nib(e, pos) _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4 * (pos)), lut) /* nibble pos of each lane */
 #else
-#define VW 8
-typedef __m256 vf;
-typedef __m256i vi;
-#define vzero() _mm256_setzero_ps()
-#define vbcast(p) _mm256_broadcast_ss(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm256_add_ps(a, b)
-#define vloadf(p) _mm256_loadu_ps(p)
-#define vstoref(p, v) _mm256_storeu_ps(p, v)
 #define vcvt(i) _mm256_cvtepi32_ps(i)
 #define vbytes(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define NIBBLE_TABLE
-#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
 #define v_nib(e, pos) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(e, 28 - 4 * (pos)), 28))
 #endif
 
-#define BLOCK 16 /* columns per packed block */
-#define VPB (BLOCK / VW)
-#define MR_WIDE 6
-#define MR_TALL 12
-#define NV_WIDE (VW == 16 ? 4 : 2)
-#define NV_TALL (VW == 16 ? 2 : 1)
 #define SCALE_BYTES (BLOCK * 4)
 /* Prefetch distance and hint in each block's stream, as gemm.c's (a quarter or half as many bytes per pair). */
 #ifndef PREFETCH

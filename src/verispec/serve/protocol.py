@@ -87,6 +87,14 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _typed(body: dict, name: str, kind: type, what: str):
+    """body[name] if it is absent (None) or a `kind`; any other value, falsy ones included, is a 400."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, kind):
+        raise _bad(name, f"{name} must be {what}, got {type(v).__name__}")
+    return v
+
+
 def _check_text(param: str, text: str) -> str:
     try:
         text.encode("utf-8")
@@ -139,14 +147,10 @@ def refuse_unsupported(body: dict) -> None:
     "", {"type": "text"}, no tools) pass, and a wrong type is a 400 like any other."""
     if _bool(body, "echo", False):
         raise _bad("echo", "echo is not supported")
-    suffix = body.get("suffix")
-    if suffix is not None and not isinstance(suffix, str):
-        raise _bad("suffix", "suffix must be a string")
+    suffix = _typed(body, "suffix", str, "a string")
     if suffix:
         raise _bad("suffix", "suffix (insertion) is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise _bad("response_format", "response_format must be an object")
+    fmt = _typed(body, "response_format", dict, "an object")
     if fmt is not None and fmt.get("type") != "text":
         raise _bad("response_format", 'only response_format {"type": "text"} is supported (no JSON mode or schema)')
     # The model is never shown tools and never calls one: allowed only where the client says not to call any.
@@ -205,10 +209,7 @@ def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: 
         raise _bad("logprobs", "logprobs are not supported")
     if _int(body, "top_logprobs", 0, 1 << 30, 0):
         raise _bad("top_logprobs", "logprobs are not supported")
-    logit_bias = body.get("logit_bias")
-    if logit_bias is not None and not isinstance(logit_bias, dict):
-        raise _bad("logit_bias", "logit_bias must be an object")
-    if logit_bias:
+    if _typed(body, "logit_bias", dict, "an object"):
         raise _bad("logit_bias", "logit_bias is not supported")
     default = limits.max_tokens_limit if chat else min(limits.completion_max_tokens, limits.max_tokens_limit)
     default = default if fits is None else min(default, fits)
@@ -238,11 +239,9 @@ def parse_sampling(body: dict, prompt_len: int, context_limit: int, vocab_size: 
 
 def parse_stream(body: dict) -> tuple[bool, bool]:
     stream = _bool(body, "stream", False)
-    opts = body.get("stream_options")
+    opts = _typed(body, "stream_options", dict, "an object")
     if opts is None:
         return stream, False
-    if not isinstance(opts, dict):
-        raise _bad("stream_options", "stream_options must be an object")
     usage = opts.get("include_usage", False)
     if usage is not None and not isinstance(usage, bool):
         raise _bad("stream_options.include_usage", "include_usage must be a boolean")

@@ -1,0 +1,37 @@
+/* The vector width each build of gemm.c and qgemm.c works at: AVX-512 (16 fp32 lanes) where the build has
+ * __AVX512F__, else AVX2 + FMA (8), and the tile shapes both share. Included after <immintrin.h>. */
+#ifndef VERISPEC_SIMD_H
+#define VERISPEC_SIMD_H
+
+#if defined(__AVX512F__)
+#define VW 16 /* fp32 lanes per vector */
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero() _mm512_setzero_ps()
+#define vbcast(p) _mm512_set1_ps(*(p))
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vloadf(p) _mm512_loadu_ps(p)
+#define vstoref(p, v) _mm512_storeu_ps(p, v)
+#define vloadi(p) _mm512_loadu_si512((const void *)(p))
+#else
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vzero() _mm256_setzero_ps()
+#define vbcast(p) _mm256_broadcast_ss(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vloadf(p) _mm256_loadu_ps(p)
+#define vstoref(p, v) _mm256_storeu_ps(p, v)
+#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
+#endif
+
+#define BLOCK 16 /* columns per packed block */
+#define VPB (BLOCK / VW) /* vectors per block: 1 (AVX-512) or 2 (AVX2) */
+#define MR_WIDE 6
+#define MR_TALL 12
+#define NV_WIDE (VW == 16 ? 4 : 2) /* vectors per wide tile: 64 columns (AVX-512), 16 (AVX2) */
+#define NV_TALL (VW == 16 ? 2 : 1) /* vectors per tall tile */
+
+#endif
