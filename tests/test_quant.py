@@ -177,6 +177,40 @@ def test_llm_generate_on_quantized_checkpoint(quant_dir, tokenizer, tmp_path):
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
 
 
+def test_server_serves_a_quantized_checkpoint(quant_dir, tokenizer, tmp_path):
+    """`verispec serve --target` a quantized directory: a speculative request returns the quantized model's plain
+    greedy tokens (speculation "off" gives the same)."""
+    import asyncio
+
+    import httpx
+
+    from verispec.serve.app import create_app
+    from verispec.serve.server import build_state
+
+    d = tmp_path / "q"
+    shutil.copytree(quant_dir, d)
+    tokenizer.save(d)
+    state = build_state(d, EngineConfig(drafter="ngram", k=4), dtype="fp32")
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    async def main() -> list[str]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            texts = []
+            for spec in (None, "off"):
+                r = await c.post("/v1/completions", json={**body, "speculation": spec})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+            return texts
+
+    try:
+        spec_text, plain_text = asyncio.run(main())
+    finally:
+        state.engine.shutdown()
+    assert spec_text == plain_text == state.tokenizer.decode(decode(state.engine.engine.target, PROMPTS[0],
+                                                                   GREEDY).token_ids[:16])
+
+
 def _broken(quant_dir, tmp_path, edit):
     d = tmp_path / "bad"
     shutil.copytree(quant_dir, d)
