@@ -122,10 +122,9 @@ def test_native_forward_is_the_same_on_every_path(isa, dtype):
     assert torch.equal(prefill, base[0]) and torch.equal(verify, base[1]), f"{isa} differs from {ISAS[0]}"
 
 
-@needs_native
-def test_packed_batch_rows_equal_each_sequence_alone(isa):
-    """The engine's packed forward: each segment after its own cache equals that sequence run alone."""
-    model = tiny_model(5).to(BF16).pack_weights()
+def _packed_and_alone(model):
+    """Three sequences' new tokens through one packed forward after their own caches, and each run alone:
+    (packed logits, packed hidden of layer 2, alone logits, alone hidden, the packed caches' lengths, expected)."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 97, (n,), generator=g) for n in (7, 12, 3)]
     new = [torch.randint(0, 97, (n,), generator=g) for n in (1, 9, 4)]
@@ -142,9 +141,18 @@ def test_packed_batch_rows_equal_each_sequence_alone(isa):
         batch = PackedBatch.build(caches, [len(t) for t in new], torch.device("cpu"))
         rows = torch.arange(sum(len(t) for t in new))
         logits, hidden = model.forward_packed(torch.cat(new), batch, rows, hidden_layers=(2,))
-    assert [c.length for c in caches] == [len(p) + len(t) for p, t in zip(prompts, new)]
-    assert torch.equal(logits, torch.cat([a[0] for a in alone]))
-    assert torch.equal(hidden[2], torch.cat([a[1] for a in alone]))
+    return (logits, hidden[2], torch.cat([a[0] for a in alone]), torch.cat([a[1] for a in alone]),
+            [c.length for c in caches], [len(p) + len(t) for p, t in zip(prompts, new)])
+
+
+@needs_native
+def test_packed_batch_rows_equal_each_sequence_alone(isa):
+    """The engine's packed forward: each segment after its own cache equals that sequence run alone."""
+    model = tiny_model(5).to(BF16).pack_weights()
+    logits, hidden, alone_logits, alone_hidden, lengths, expected = _packed_and_alone(model)
+    assert lengths == expected
+    assert torch.equal(logits, alone_logits)
+    assert torch.equal(hidden, alone_hidden)
 
 
 @needs_native

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import no_native_reason, tiny_config
-from test_kernel_paths import ISAS, _forwards, isa  # noqa: F401 (isa: the fixture forcing each kernel path)
+from test_kernel_paths import ISAS, _forwards, _packed_and_alone, isa  # noqa: F401 (isa: the fixture forcing each kernel path)
 
-from verispec.cache import KVCache, PackedBatch
+from verispec.cache import KVCache
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters import ModelDrafter
@@ -119,25 +119,11 @@ def test_every_row_count_gives_what_one_token_steps_give_on_every_path(isa, sche
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_packed_batch_rows_equal_each_sequence_alone(isa, scheme):
     model = _quantized(5, SCHEMES[scheme], BF16)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 97, (n,), generator=g) for n in (7, 12, 3)]
-    new = [torch.randint(0, 97, (n,), generator=g) for n in (1, 9, 4)]
     with torch.inference_mode():
-        caches, alone = [], []
-        for p, t in zip(prompts, new):
-            c = KVCache.for_model(model, max_len=32)
-            model(p[None], cache=c)
-            caches.append(c)
-            c2 = KVCache.for_model(model, max_len=32)
-            model(p[None], cache=c2)
-            logits, hidden = model(t[None], cache=c2, hidden_layers=(2,))
-            alone.append((logits[0], hidden[2][0]))
-        batch = PackedBatch.build(caches, [len(t) for t in new], torch.device("cpu"))
-        rows = torch.arange(sum(len(t) for t in new))
         assert model.forward_path == "native"
-        logits, hidden = model.forward_packed(torch.cat(new), batch, rows, hidden_layers=(2,))
-    assert torch.equal(logits, torch.cat([a[0] for a in alone]))
-    assert torch.equal(hidden[2], torch.cat([a[1] for a in alone]))
+    logits, hidden, alone_logits, alone_hidden, _, _ = _packed_and_alone(model)
+    assert torch.equal(logits, alone_logits)
+    assert torch.equal(hidden, alone_hidden)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -109,12 +109,7 @@ class Engine:
         validate_prompt(prompt, self.target.config.vocab_size, self.limit)
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer")
-        drafter = self.config.drafter if spec.drafter is None else spec.drafter
-        drafter = None if drafter in (None, "", "none") else drafter
-        policy = spec.policy or self.config.policy
-        k = self.config.k if spec.k is None else spec.k
-        if drafter is None or k == 0:
-            policy, k = "off", 0
+        drafter, policy, k = self._resolve(spec)
         if drafter is not None:
             self.drafter(drafter)  # fail now, not inside a step, if the spec is bad
         reserved = min(self.limit, len(prompt) + params.max_tokens + k + 1)
@@ -139,6 +134,20 @@ class Engine:
             self._queued += 1
             self._inbox.append(("add", req))
         return rid
+
+    def _resolve(self, spec: RequestSpec) -> tuple[str | None, str, int]:
+        """A request's drafter spec, policy and k, the engine's defaults filling what it leaves open."""
+        drafter = self.config.drafter if spec.drafter is None else spec.drafter
+        drafter = None if drafter in (None, "", "none") else drafter
+        policy = spec.policy or self.config.policy
+        k = self.config.k if spec.k is None else spec.k
+        if drafter is None or k == 0:
+            return drafter, "off", 0
+        return drafter, policy, k
+
+    def draft_slots(self, spec: RequestSpec) -> int:
+        """KV positions a request reserves beside prompt + max_tokens: its k draft tokens and the bonus token."""
+        return self._resolve(spec)[2] + 1
 
     def abort(self, request_id: str) -> None:
         """Abort a waiting or running request (idempotent); its cache is freed at the next step."""

@@ -24,11 +24,6 @@ from verispec.model.packing import PackedWeight, linear, pack
 from verispec.quant.rtn import dequantize
 
 
-def _native_quant() -> bool:
-    # The native int kernel lands separately (kernels/qgemm.c): use it where it exists and this CPU runs it.
-    return hasattr(native, "qlinear") and native.qavailable()
-
-
 class QuantLinear(nn.Module):
     def __init__(
         self,
@@ -87,7 +82,7 @@ class QuantLinear(nn.Module):
         return self._qpacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _native_quant():
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and native.qavailable():
             bias = None if self.bias is None else self.bias.float().contiguous()
             y = native.qlinear(x.reshape(-1, self.in_features).contiguous(), self.qpacked(), bias, x.dtype)
             return y.view(*x.shape[:-1], self.out_features)

@@ -293,19 +293,11 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def _draft_slots(state: ServerState, spec: RequestSpec) -> int:
-    """KV positions Engine.add_request reserves beside prompt + max_tokens: the k drafts and the bonus token."""
-    config = state.engine.engine.config
-    k = config.k if spec.k is None else spec.k
-    drafter = config.drafter if spec.drafter is None else spec.drafter
-    return 1 + (0 if drafter in (None, "", "none") else k)
-
-
 def _budget_error(state: ServerState, prompt_len: int, max_tokens: int, spec: RequestSpec,
                   chat: bool) -> APIError | None:
     """The 400 for a request larger than the whole KV cache budget, naming what the client can change."""
     engine = state.engine.engine
-    budget, fixed = engine.config.cache_budget_tokens, prompt_len + _draft_slots(state, spec)
+    budget, fixed = engine.config.cache_budget_tokens, prompt_len + engine.draft_slots(spec)
     if min(engine.limit, fixed + max_tokens) <= budget:
         return None  # refused for another reason
     if budget - fixed < 1:
@@ -335,7 +327,7 @@ def _prepare(state: ServerState, body: dict, chat: bool) -> tuple[list[int], Sam
     spec = parse_speculation(body.get("speculation"))
     spec = dataclasses.replace(spec, drafter=state.resolve_drafter(spec.drafter))
     budget = engine.config.cache_budget_tokens  # a reservation is capped at the context: a budget >= it fits all
-    fits = budget - len(prompt_ids) - _draft_slots(state, spec) if budget < engine.limit else None
+    fits = budget - len(prompt_ids) - engine.draft_slots(spec) if budget < engine.limit else None
     params = parse_sampling(body, len(prompt_ids), engine.limit, vocab, chat=chat, limits=state.limits, fits=fits)
     return prompt_ids, params, spec
 
