@@ -371,6 +371,35 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="built corpus directory (its train.jsonl); default: the standard library's train split")
     v.set_defaults(func=cmd_train_draft_vocab)
 
+    from verispec.quant.scheme import SCHEMES
+    from verispec.train.qad import QADConfig
+
+    q = what.add_parser("qad", help="quantization-aware distillation: train an int4/int8 copy of the target on a "
+                                    "fixed grid with a per-token KL to the dense target (resumes from --out/state)")
+    q.add_argument("--teacher", type=Path, default=None, help="dense target checkpoint (default: the zoo's)")
+    q.add_argument("--init", type=Path, default=None,
+                   help="pack-quantized copy of the teacher whose grid and weights to start from (verispec quantize "
+                        "--method rtn|gptq), or a dense checkpoint (RTN grid); default: the teacher")
+    q.add_argument("--scheme", default=QADConfig.scheme, choices=SCHEMES)
+    q.add_argument("--group-size", type=int, default=QADConfig.group_size,
+                   help="32, 64 or 128 input columns per scale (default: the scheme's; must match --init's)")
+    q.add_argument("--data-dir", type=Path, default=Path("data"),
+                   help="token files in DATA_DIR/tokens (verispec train target prepares them); where absent, the "
+                        "standard library's train split is tokenized into --out/tokens")
+    q.add_argument("--out", type=Path, default=Path("data/runs/qad"), help="run directory (state, tokens)")
+    q.add_argument("--save", type=Path, default=None,
+                   help="where the quantized checkpoint goes (default: data/quant/qad-SCHEME, e.g. qad-w4a16-g128)")
+    q.add_argument("--max-steps", type=int, default=QADConfig.max_steps)
+    q.add_argument("--batch-size", type=int, default=QADConfig.batch_size)
+    q.add_argument("--seq-len", type=int, default=QADConfig.seq_len)
+    q.add_argument("--lr", type=float, default=QADConfig.lr)
+    q.add_argument("--dtype", default=QADConfig.dtype, choices=["bf16", "fp32"],
+                   help="compute dtype (the latent weights are fp32 either way)")
+    q.add_argument("--stop-at", type=int, default=None,
+                   help="checkpoint and exit at this step (rerun the same command to continue)")
+    q.add_argument("--threads", type=int, default=None)
+    q.set_defaults(func=cmd_train_qad)
+
 
 def cmd_train_draft_vocab(args: argparse.Namespace) -> int:
     from verispec.errors import ConfigError
@@ -413,6 +442,27 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     summary = finalize(out, args.data_dir, zoo_dir, name="drafter", role="draft model",
                        method=DRAFTER_METHOD, recipe="verispec train drafter")
     print(f"saved {zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
+    return 0
+
+
+def cmd_train_qad(args: argparse.Namespace) -> int:
+    from verispec.api import set_threads
+    from verispec.train.qad import QADConfig, train_qad
+    from verispec.zoo import default_target
+
+    set_threads(args.threads)
+    cfg = QADConfig(scheme=args.scheme, group_size=args.group_size, max_steps=args.max_steps,
+                    batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype)
+    save = args.save or Path("data/quant") / f"qad-{cfg.quant_scheme.name}"
+    tokens = args.data_dir / "tokens"
+    summary = train_qad(args.teacher or default_target(), args.init, args.out, save, cfg,
+                        tokens=tokens if (tokens / "train.bin").is_file() else None, stop_at=args.stop_at)
+    if summary is None:
+        print(f"checkpointed at step {args.stop_at} in {args.out}/state; rerun to continue")
+        return 0
+    kl = summary["heldout_kl"]
+    print(f"wrote {save}: {summary['scheme']} after {summary['steps']} steps, held-out KL {kl[0]['kl']:.4f} -> "
+          f"{kl[-1]['kl']:.4f}, {summary['values_changed']:.2%} of the int values moved")
     return 0
 
 
