@@ -15,7 +15,7 @@ from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import _LengthPolicy, decode
 from verispec.drafters import Draft, ModelDrafter, NgramDrafter
 from verispec.drafters.block import BlockDrafter
-from verispec.engine.profile import StepProfile
+from verispec.profile import StepProfile
 from verispec.errors import ConfigError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28]]

@@ -23,8 +23,8 @@ from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfi
 from verispec.decode import decode
 from verispec.drafters import Draft, ModelDrafter
 from verispec.engine import Engine
-from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, survival
-from verispec.engine.profile import StepProfile, measure
+from verispec.policies import AcceptanceEstimator, dspark_lengths, survival
+from verispec.profile import StepProfile, measure
 from verispec.errors import ConfigError, QueueFull
 
 PROMPTS = [

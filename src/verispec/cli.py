@@ -558,7 +558,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from verispec.api import set_threads
-    from verispec.engine.profile import cache_path, load_or_measure, plot_profile
+    from verispec.profile import cache_path, load_or_measure, plot_profile
     from verispec.model.checkpoint import load_model
     from verispec.zoo import default_target
 

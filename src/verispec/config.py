@@ -213,7 +213,7 @@ class SpecConfig:
     # auto: greedy match at temperature 0, rejection sampling otherwise (exact for point-mass drafts too).
     verify: str = "auto"
     # fixed: verify every drafted token. dspark: verify the prefix DSpark's Algorithm 1 picks from the drafter's
-    # confidences (or past acceptance) against the target's measured step time (engine.policies).
+    # confidences (or past acceptance) against the target's measured step time (verispec.policies).
     policy: str = "fixed"
 
     def __post_init__(self) -> None:

@@ -11,10 +11,10 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from verispec import policies
 from verispec.cache import KVCache
 from verispec.config import SamplingParams, SpecConfig
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified
@@ -22,12 +22,10 @@ from verispec.errors import ConfigError
 from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
-from verispec.sampling import greedy, make_generator, probs_for, sample
+from verispec.profile import StepProfile, load_or_measure
+from verispec.round import check_draft, verify_round
+from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
-from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
-
-if TYPE_CHECKING:  # verispec.engine imports this module: its modules are imported where they are used
-    from verispec.engine.profile import StepProfile
 
 
 @dataclass
@@ -69,43 +67,15 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_limit: int) 
         raise ConfigError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
 
 
-def _check_draft(draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
-    if len(draft.tokens) > budget or any(not 0 <= t < vocab_size for t in draft.tokens):
-        raise ValueError(
-            f"drafter {type(drafter).__name__} proposed {draft.tokens} for a budget of {budget} tokens "
-            f"in a vocabulary of {vocab_size}"
-        )
-
-
-def _verify(
-    logits: torch.Tensor, draft_tokens: list[int], draft_probs, params: SamplingParams, spec: SpecConfig, generator
-) -> VerifyOutput:
-    # logits [k+1, V] for the anchor and each draft token
-    if not draft_tokens:  # plain step: the same draw the verifiers make for k = 0, without their bookkeeping
-        token = greedy(logits[0]) if params.greedy else sample(probs_for(logits[0], params), generator)
-        return VerifyOutput(token.view(1, 1), torch.zeros(1, dtype=torch.long))
-    tokens = torch.tensor(draft_tokens, dtype=torch.long, device=logits.device)
-    num_draft = torch.tensor([len(draft_tokens)], device=logits.device)
-    if params.greedy:
-        return greedy_verify(tokens, num_draft, logits)
-    p = probs_for(logits, params)
-    if spec.verify == "sample-match":
-        return sample_match_verify(tokens, num_draft, p, [generator])
-    return rejection_verify(tokens, num_draft, p, draft_probs, [generator])
-
-
 class _LengthPolicy:
-    """SpecConfig.policy == "dspark" for one sequence: DSpark's Algorithm 1 with one request. Each round verifies
-    the draft prefix that maximises expected tokens per second, tau(n) / (draft_s + step_time(n + 1)), admitting
-    position j only while it still raises that ratio: the cut at j depends on c_1..c_j alone (each c_j on the
-    tokens before x_j), never on x_j, so sampling stays lossless. c_j is the drafter's confidence where it gives
-    one, else this sequence's past acceptance at position j, learnt from whole proposals (engine.policies)."""
+    """SpecConfig.policy == "dspark" for one sequence: DSpark's Algorithm 1 with one request (`policies.dspark_cut`,
+    the engine's rule for a step of one request). Each round verifies the draft prefix that maximises expected
+    tokens per second, tau(n) / (draft_s + step_time(n + 1)), admitting position j only while it still raises that
+    ratio: the cut at j depends on c_1..c_j alone (each c_j on the tokens before x_j), never on x_j, so sampling
+    stays lossless. c_j is the drafter's confidence where it gives one, else this sequence's past acceptance at
+    position j, learnt from whole proposals (`policies.learn_from_proposals`)."""
 
     def __init__(self, target: Transformer, k: int, profile: StepProfile | None = None) -> None:
-        from verispec.engine import policies
-        from verispec.engine.profile import load_or_measure
-
-        self._rules = policies
         self.profile = profile or load_or_measure(target)
         self.estimator = policies.AcceptanceEstimator(k)
         self.shadow: deque[tuple[int, list[int]]] = deque()  # proposals not yet covered by committed tokens
@@ -114,12 +84,9 @@ class _LengthPolicy:
     def cut(self, draft: Draft) -> Draft:
         if not draft.tokens:
             return draft
-        k = len(draft.tokens)
-        conditional = (draft.confidence.float().tolist()[:k] if draft.confidence is not None
-                       else self.estimator.conditional("", "", k))
         fixed_s = self.propose_s / self.proposals if self.proposals else 0.0
-        n = self._rules.dspark_lengths([self._rules.survival(conditional)], 1, 1.0,
-                                       lambda b: fixed_s + self.profile.step_time(b))[0]
+        conditional = policies.conditional(draft, self.estimator, "", "")
+        n = policies.dspark_cut([conditional], (), 0, lambda b: fixed_s + self.profile.step_time(b))[0]
         return draft.truncated(n)
 
     def record(self, propose_s: float, start: int, proposed: list[int], tokens: list[int]) -> None:
@@ -130,7 +97,7 @@ class _LengthPolicy:
             self.proposals += 1
         if proposed:
             self.shadow.append((start, proposed))
-        self._rules.learn_from_proposals(self.estimator, "", "", self.shadow, tokens)
+        policies.learn_from_proposals(self.estimator, "", "", self.shadow, tokens)
 
 
 @torch.inference_mode()
@@ -185,12 +152,12 @@ def decode_stream(
                 draft = proposed = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
                 propose_s = time.perf_counter() - t0
                 stats.draft_s += propose_s
-                _check_draft(draft, budget, target.config.vocab_size, drafter)
+                check_draft(draft, budget, target.config.vocab_size, drafter)
                 if policy is not None:
                     draft = policy.cut(draft)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
             logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
-            out = _verify(logits[0], draft.tokens, draft.probs, params, spec, generator)
+            out = verify_round(logits[0], draft, params, spec.verify, generator)
             num_accepted = int(out.num_accepted[0])
             cache.truncate(n + num_accepted)
             emitted = stopper.extend(out.rows()[0])

@@ -23,7 +23,7 @@ from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
 from verispec.config import DEFAULT_DTYPE, EngineConfig, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
-from verispec.engine.profile import StepProfile, load_or_measure, plot_profile
+from verispec.profile import StepProfile, load_or_measure, plot_profile
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
 

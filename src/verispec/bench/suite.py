@@ -144,7 +144,7 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
     decode(target, sets[next(iter(sets))][0], replace(params, max_tokens=8))  # warm-up
     profile = None
     if "dspark" in cfg.policies:  # measured (or read from the cache) before any timing
-        from verispec.engine.profile import load_or_measure
+        from verispec.profile import load_or_measure
 
         profile = load_or_measure(target)
     for rep in range(cfg.repeats):

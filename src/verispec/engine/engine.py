@@ -24,19 +24,19 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.cache import KVCache, PackedBatch
-from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig
-from verispec.decode import GenerationResult, _check_draft, _verify, validate_prompt
+from verispec.config import EngineConfig, RequestSpec, SamplingParams
+from verispec.decode import GenerationResult, validate_prompt
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter
-from verispec.engine.policies import AcceptanceEstimator, dspark_lengths, learn_from_proposals, survival
-from verispec.engine.profile import StepProfile
 from verispec.engine.request import Request, RequestOutput
 from verispec.errors import ConfigError, QueueFull
 from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
+from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, learn_from_proposals
+from verispec.profile import StepProfile, load_or_measure
+from verispec.round import check_draft, verify_batch
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
-from verispec.verify import greedy_verify
 
 
 @dataclass
@@ -171,8 +171,6 @@ class Engine:
     @property
     def profile(self) -> StepProfile:
         if not isinstance(self._profile, StepProfile):
-            from verispec.engine.profile import load_or_measure
-
             self._profile = self._profile() if callable(self._profile) else load_or_measure(self.target)
         return self._profile
 
@@ -336,58 +334,32 @@ class Engine:
         for spec, batch in by_drafter.items():
             drafter = self.drafter(spec)
             for dreq, draft in zip(batch, drafter.propose(batch)):
-                _check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
+                check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
                 rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, 0, draft.tokens)
         return list(rounds.values())
 
     def _conditional(self, rnd: _Round) -> list[float]:
-        k = len(rnd.draft.tokens)
-        if rnd.draft.confidence is not None:
-            return rnd.draft.confidence.float().tolist()[:k]
-        return self.estimator.conditional(rnd.req.drafter or "", rnd.req.request_id, k)
+        return conditional(rnd.draft, self.estimator, rnd.req.drafter or "", rnd.req.request_id)
 
     def _schedule(self, rounds: list[_Round], prefill_tokens: int) -> None:
         """Cut each draft to the length its policy verifies (dspark: Algorithm 1 over all dspark requests)."""
         sched = [r for r in rounds if r.req.policy == "dspark" and r.draft.tokens]
         if not sched:
             return
-        fixed = [r for r in rounds if r not in sched]
-        base_tokens = prefill_tokens + sum(len(r.draft.tokens) + 1 for r in fixed) + len(sched)
-        base_tau = sum(1 + sum(survival(self._conditional(r))) for r in fixed) + len(sched)
+        fixed = [(len(r.draft.tokens), self._conditional(r)) for r in rounds if r not in sched]
         requests = len(rounds) + (1 if prefill_tokens else 0)
         prof, draft_s = self.profile, self._draft_s
         # A step's time is the drafting it already spent plus the target's forward: what the tokens it commits cost.
-        lengths = dspark_lengths(
-            [survival(self._conditional(r)) for r in sched], base_tokens, base_tau,
-            lambda b: draft_s + prof.step_time(b, requests),
-        )
+        lengths = dspark_cut([self._conditional(r) for r in sched], fixed, prefill_tokens,
+                             lambda b: draft_s + prof.step_time(b, requests))
         for rnd, n in zip(sched, lengths):
             rnd.req.last_verified = n
             rnd.draft = rnd.draft.truncated(n)
 
     def _verify(self, rounds: list[_Round], logits: torch.Tensor) -> list[list[int]]:
-        """Committed tokens per round: greedy requests in one batched call, sampled ones with their own RNG."""
-        out: list[list[int] | None] = [None] * len(rounds)
-        greedy = [i for i, r in enumerate(rounds) if r.req.params.greedy]
-        if greedy:
-            rows = torch.cat([
-                torch.arange(rounds[i].rows, rounds[i].rows + len(rounds[i].draft.tokens) + 1) for i in greedy
-            ]).to(logits.device)
-            drafts = [t for i in greedy for t in rounds[i].draft.tokens]
-            res = greedy_verify(
-                torch.tensor(drafts, dtype=torch.long, device=logits.device),
-                torch.tensor([len(rounds[i].draft.tokens) for i in greedy], device=logits.device),
-                logits[rows],
-            )
-            for i, block in zip(greedy, res.rows()):
-                out[i] = block
-        for i, rnd in enumerate(rounds):
-            if out[i] is None:
-                k = len(rnd.draft.tokens)
-                res = _verify(logits[rnd.rows : rnd.rows + k + 1], rnd.draft.tokens, rnd.draft.probs, rnd.req.params,
-                              SpecConfig(k=k, verify=rnd.req.verify), rnd.req.generator)
-                out[i] = res.rows()[0]
-        return out  # type: ignore[return-value]
+        """Committed tokens per round (round.verify_batch: each round's rows follow the previous round's)."""
+        return verify_batch(logits, [r.draft for r in rounds], [r.req.params for r in rounds],
+                            [r.req.verify for r in rounds], [r.req.generator for r in rounds])
 
     def _commit(
         self, rnd: _Round, block: list[int], hidden: dict[int, torch.Tensor], logit_rows: list[int],

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from verispec.drafters.base import Draft
+
 
 def survival(conditional: Sequence[float]) -> list[float]:
     """a_j = prod_{i<=j} c_i: the probability that positions 1..j are all accepted."""
@@ -52,6 +54,20 @@ def dspark_lengths(
             break
         best, best_lengths = theta, list(lengths)
     return best_lengths
+
+
+def dspark_cut(
+    scheduled: Sequence[Sequence[float]],  # per request the rule cuts, c_1..c_k (conditional, see `conditional`)
+    fixed: Sequence[tuple[int, Sequence[float]]],  # per other decoding request: (k, c_1..c_k), verified whole
+    prefill_tokens: int,  # prompt rows the step runs besides
+    step_time: Callable[[int], float],  # seconds for a step that verifies B tokens, its drafting included
+) -> list[int]:
+    """The dspark policy for one step, shared by the reference loop (one request, nothing fixed) and the engine:
+    the number of draft tokens of each scheduled request to verify (`dspark_lengths` over their survivals, with
+    every anchor, the fixed requests' drafts and the prefill rows verified anyway)."""
+    base_tokens = prefill_tokens + sum(k + 1 for k, _ in fixed) + len(scheduled)
+    base_tau = sum(1 + sum(survival(c)) for _, c in fixed) + len(scheduled)
+    return dspark_lengths([survival(c) for c in scheduled], base_tokens, base_tau, step_time)
 
 
 class AcceptanceEstimator:
@@ -113,3 +129,12 @@ def learn_from_proposals(
         shadow.popleft()
         matched = next((j for j, (x, y) in enumerate(zip(proposed, actual)) if x != y), len(proposed))
         estimator.update(drafter, request_id, len(proposed), matched)
+
+
+def conditional(draft: Draft, estimator: AcceptanceEstimator, drafter: str, request_id: str) -> list[float]:
+    """c_1..c_k for a draft: the drafter's confidences where it gives them, else the estimator's past acceptance."""
+    k = len(draft.tokens)
+    if draft.confidence is not None:
+        return draft.confidence.float().tolist()[:k]
+    return estimator.conditional(drafter, request_id, k)
+
