@@ -348,18 +348,25 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="dspark: the sequential head (markov: bias from the previous token; rnn: a gated state over "
                         "the drafted prefix, DSpark's option)")
     d.add_argument("--block-size", type=int, default=BlockTrainConfig.block_size)
-    d.add_argument("--out", type=Path, default=None, help="run directory (default: data/runs/KIND)")
-    d.add_argument("--zoo-dir", type=Path, default=None, help="where the finished drafter ships (default: zoo/KIND)")
+    d.add_argument("--out", type=Path, default=None,
+                   help="run directory (default: data/runs/KIND; data/runs/KIND-TARGETDIR for a target other than "
+                        "the zoo's)")
+    d.add_argument("--zoo-dir", type=Path, default=None,
+                   help="where the finished drafter ships (default: zoo/KIND; zoo/KIND-TARGETDIR for a target other "
+                        "than the zoo's, so a stage-2 run never overwrites the shipped drafter)")
     d.add_argument("--max-steps", type=int, default=None)
-    d.add_argument("--stop-at", type=int, default=None, help="block kinds: checkpoint and exit at this step")
+    d.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit at this step")
     d.add_argument("--num-sequences", type=int, default=1536, help="target continuations to distill from")
     d.add_argument("--anchors", type=int, default=None, help="block kinds: random anchors per sequence per step")
     d.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"],
-                   help="block kinds: the frozen target's compute dtype (fp32 is faster on CPUs without native bf16)")
-    d.add_argument("--lr", type=float, default=None, help="block kinds: peak learning rate (default 1e-3)")
+                   help="the frozen target's compute dtype for its continuations (block kinds: and its hidden states "
+                        "in training); fp32 is faster on CPUs without native bf16")
+    d.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 1e-3 for block kinds, the draft model's recipe for model)")
     d.add_argument("--init-from", type=Path, default=None,
-                   help="block kinds: warm start from this drafter directory (same architecture; fresh optimizer "
-                        "and schedule)")
+                   help="warm start from this drafter directory (block kinds: same architecture; model: a dense "
+                        "draft model, whose architecture the run takes), fresh optimizer and schedule: stage 2 of the "
+                        "recipe, with --target a quantized copy of the drafter's target")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_train_drafter)
 
@@ -423,7 +430,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from verispec.train.card import DRAFTER_METHOD, finalize
-    from verispec.train.drafter import DRAFT_TRAIN, train_drafter
+    from verispec.train.drafter import (DRAFT_TRAIN, continuations_file, draft_architecture, target_record,
+                                        train_drafter)
     from verispec.train.prepare import prepare_data
     from verispec.zoo import default_target
 
@@ -431,16 +439,30 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     prepare_data(args.data_dir, args.doc_dir)
     target = args.target or default_target()
-    out = args.out or args.data_dir / "runs" / ("drafter" if args.kind == "model" else args.kind)
-    zoo_dir = args.zoo_dir or Path("zoo") / ("drafter" if args.kind == "model" else args.kind)
+    # Another target (a quantized copy, in stage 2) gets its own run and zoo directories by default.
+    name = ("drafter" if args.kind == "model" else args.kind) + (
+        "" if target.resolve() == default_target().resolve() else f"-{target.resolve().name}")
+    out = args.out or args.data_dir / "runs" / name
+    zoo_dir = args.zoo_dir or Path("zoo") / name
     if args.kind != "model":
         from verispec.train.block_recipe import train_block_recipe
 
         return train_block_recipe(args, target, out, zoo_dir)
     cfg = replace(DRAFT_TRAIN, max_steps=args.max_steps or DRAFT_TRAIN.max_steps)
-    train_drafter(target, args.data_dir / "tokens", out, cfg, num_sequences=args.num_sequences)
+    earlier = None
+    if args.init_from is not None:
+        cfg = replace(cfg, model=draft_architecture(args.init_from), init_from=str(args.init_from),
+                      lr=args.lr or cfg.lr)
+        summary_file = args.init_from / "training_summary.json"
+        earlier = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    continuations = continuations_file(target, args.data_dir / "runs", "train", args.dtype)
+    if train_drafter(target, args.data_dir / "tokens", out, cfg, num_sequences=args.num_sequences,
+                     continuations=continuations, dtype=args.dtype, stop_at=args.stop_at) is None:
+        print(f"checkpointed at step {args.stop_at} in {out}/state; rerun to continue")
+        return 0
     summary = finalize(out, args.data_dir, zoo_dir, name="drafter", role="draft model",
-                       method=DRAFTER_METHOD, recipe="verispec train drafter")
+                       method=DRAFTER_METHOD, recipe="verispec train drafter", earlier=earlier,
+                       trained_for=target_record(target))
     print(f"saved {zoo_dir}: held-out perplexity {summary['heldout_perplexity']}")
     return 0
 

@@ -38,6 +38,7 @@ from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.packing import linear, pack, weight_version
 from verispec.model.transformer import Transformer
+from verispec.quant.drafter import install_quantized, take_block_quantized
 from verispec.sampling import probs_for, sample
 
 KIND_KEY = DRAFTER_KIND_KEY
@@ -356,14 +357,16 @@ def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftM
                                   f"this target has {getattr(t, key)}")
     model = BlockDraftModel(t, cfg)
     state = load_file(str(weights))
-    expected = model.state_dict()
+    quantized = take_block_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
+    expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for k, v in expected.items():
         if state[k].shape != v.shape:
             raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=not quantized)
+    install_quantized(model, quantized)
     return model
 
 

@@ -32,6 +32,7 @@ from verispec.errors import ConfigError
 from verispec.kernels import native
 from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears
 from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
+from verispec.quant.linear import QuantLinear
 
 SEQUENTIAL_HEADS = ("markov", "rnn")  # DSpark's heads, drafted left to right
 HEADS = ("none", *SEQUENTIAL_HEADS)
@@ -81,10 +82,19 @@ class _BlockLayer(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)  # set by fuse()
         self.qkv_packed: PackedWeight | None = None
         self.kv_packed: PackedWeight | None = None
+        self.qkv_quant: QuantLinear | None = None  # set by fuse() where the projections are quantized (quant.drafter)
+        self.kv_quant: QuantLinear | None = None  # its k/v rows (views)
 
     def fuse(self) -> None:
         """Inference only: q/k/v become one matmul (k/v one for the context), gate/up one, all packed where
-        supported (model.packing); the parameters stay, as views of the fused weights."""
+        supported (model.packing); the parameters stay, as views of the fused weights. Quantized projections fuse
+        into one QuantLinear the same way (no dense weight: the layer then runs on the torch path)."""
+        if isinstance(self.q_proj, QuantLinear):
+            self.qkv_quant = QuantLinear.concat([self.q_proj, self.k_proj, self.v_proj])
+            qkv, rows = self.qkv_quant, self.nq * self.head_dim
+            self.kv_quant = QuantLinear(qkv.qweight[rows:], qkv.scales[rows:], qkv.bits)
+            self.mlp.fuse()
+            return
         self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)[0]
         self.qkv_packed = pack(self.qkv_weight)
         self.kv_packed = pack(self.qkv_weight[self.nq * self.head_dim :])
@@ -94,7 +104,10 @@ class _BlockLayer(nn.Module):
 
     def _project(self, x: torch.Tensor, with_q: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        if self.qkv_weight is None:
+        if self.qkv_quant is not None:
+            sizes = [self.nq * self.head_dim, self.nkv * self.head_dim, self.nkv * self.head_dim]
+            q, k, v = self.qkv_quant(x).split(sizes, dim=-1) if with_q else (None, *self.kv_quant(x).chunk(2, dim=-1))
+        elif self.qkv_weight is None:
             q = self.q_proj(x) if with_q else None
             k, v = self.k_proj(x), self.v_proj(x)
         elif with_q:
@@ -115,7 +128,9 @@ class _BlockLayer(nn.Module):
 
     def native_packs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The packed qkv, o, gate/up and down weights for native_forward, or None unless every one is a valid
-        native pack for an fp32 input like x (fused and packed at load, unchanged since)."""
+        native pack for an fp32 input like x (fused and packed at load, unchanged since); None when quantized."""
+        if self.qkv_weight is None:
+            return None
         pairs = ((self.qkv_weight, self.qkv_packed), (self.o_proj.weight, getattr(self.o_proj, "packed", None)),
                  (self.mlp.gate_up_weight, self.mlp.gate_up_packed),
                  (self.mlp.down_proj.weight, getattr(self.mlp.down_proj, "packed", None)))
@@ -205,13 +220,18 @@ class BlockDraftModel(nn.Module):
         kernels the greedy head loop is one call (kernels/markov.c)."""
         for layer in self.layers:
             layer.fuse()
-        self.fc = PackedLinear(self.fc)
+        if not isinstance(self.fc, QuantLinear):
+            self.fc = PackedLinear(self.fc)
         return self
+
+    @property
+    def dtype(self) -> torch.dtype:  # the activations' dtype (a quantized fc has no dense weight to ask)
+        return self.norm.weight.dtype
 
     # ---- context ----------------------------------------------------------------------------------------------
     def context_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:  # {layer: [..., T, d]} -> [..., T, d]
         h = torch.cat([hidden[layer] for layer in self.config.target_layers], dim=-1)
-        return self._norm(self.hidden_norm, self.fc(h.to(self.fc.weight.dtype)))
+        return self._norm(self.hidden_norm, self.fc(h.to(self.dtype)))
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """norm(x), through the native kernel at inference on CPU in fp32 (one call for about ten small ops)."""
@@ -258,7 +278,7 @@ class BlockDraftModel(nn.Module):
             ctx.reserve(ctx.length + n + g)
         tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
-        x = embed(tokens).to(self.fc.weight.dtype)
+        x = embed(tokens).to(self.dtype)
         packs = self._native_packs(x, ctx, ctx_mask)
         if packs is not None:  # one sequence over its cache: one native call per layer
             feats = None if not n else new_ctx[0].to(torch.float32).contiguous()

@@ -7,6 +7,7 @@ embedding in the zoo's target, so quantizing it would quantize the embedding too
 
 Modules, lowest first: scheme (the frozen QuantScheme), rtn (scales and round-to-nearest), bits (int32 packing),
 linear (QuantLinear, used by model.layers), format (compressed-tensors "pack-quantized" checkpoints, used by
-model.checkpoint), gptq and convert (making quantized checkpoints; they use the model). No imports here, so that
+model.checkpoint), drafter (a block drafter's own Linears quantized, loaded by drafters.block), gptq and
+convert (making quantized checkpoints; they use the model). No imports here, so that
 model.* can import quant.linear and quant.format without a cycle.
 """

@@ -83,12 +83,19 @@ def quantize_checkpoint(
     also written to `out/quantization.json`."""
     from tqdm import tqdm
 
-    from verispec.model.checkpoint import load_config, load_model, load_state_dict
+    from verispec.model.checkpoint import DRAFTER_KIND_KEY, load_config, load_model, load_state_dict
 
     src, out = Path(src), Path(out)
     scheme = cfg.quant_scheme
+    raw = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    if DRAFTER_KIND_KEY in raw:  # a block drafter (dspark, block): its own Linears, by RTN
+        from verispec.quant.drafter import quantize_block_drafter
+
+        summary = {"scheme": scheme.name, **asdict(cfg), "source": str(src),
+                   **quantize_block_drafter(src, out, scheme, cfg.method)}
+        (out / "quantization.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
     model_cfg = load_config(src)
-    raw = json.loads((src / "config.json").read_text())
     if "quantization_config" in raw:
         raise CheckpointError(f"{src} is already quantized")
     state = load_state_dict(src)
@@ -99,7 +106,8 @@ def quantize_checkpoint(
         if w is None:
             raise CheckpointError(f"{src}: missing tensor {n}.weight")
         if w.shape[1] % scheme.group(w.shape[1]):
-            raise ConfigError(f"group size {scheme.group_size} does not divide {n}'s {w.shape[1]} input features")
+            raise ConfigError(f"group size {scheme.group_size} does not divide {n}'s {w.shape[1]} input features"
+                              + scheme.hint(w.shape[1]))
     scale_dtype = state[f"{names[0]}.weight"].dtype
     summary = {"scheme": scheme.name, **asdict(cfg), "source": str(src)}
     hessians: dict[str, torch.Tensor] = {}

@@ -46,6 +46,11 @@ class QuantScheme:
         """Columns per scale for a weight with `in_features` columns."""
         return in_features if self.group_size is None else self.group_size
 
+    def hint(self, in_features: int) -> str:
+        """What to pass instead, for an error where the group size does not divide a layer's `in_features`."""
+        fits = [str(g) for g in GROUP_SIZES if in_features % g == 0]
+        return f"; use --group-size {' or '.join(fits)}" if fits else "; use a per-channel scheme (w8a16)"
+
     @property
     def name(self) -> str:
         return f"w{self.bits}a16-" + ("channel" if self.group_size is None else f"g{self.group_size}")

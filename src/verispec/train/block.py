@@ -134,6 +134,10 @@ def warm_start(model: BlockDraftModel, drafter_dir: Path, target_cfg: ModelConfi
     from verispec.drafters.block import read_block_drafter
     from verispec.errors import CheckpointError
 
+    if not (drafter_dir / "config.json").is_file():
+        raise CheckpointError(f"cannot warm-start from {drafter_dir}: no config.json (not a drafter directory)")
+    if "quantization_config" in json.loads((drafter_dir / "config.json").read_text()):
+        raise CheckpointError(f"cannot warm-start from {drafter_dir}: it is quantized; start from the dense drafter")
     source = read_block_drafter(drafter_dir, target_cfg)
     # The context window is how inference uses the weights, not part of the architecture.
     if replace(source.config, context_window=model.config.context_window) != model.config:

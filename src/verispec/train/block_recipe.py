@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
@@ -14,23 +13,14 @@ from verispec.drafters.block import save_block_drafter
 from verispec.model import load_model
 from verispec.model.tokenizer import Tokenizer
 from verispec.train.block import BlockTrainConfig, block_forward, block_metrics, sample_blocks, train_block_drafter
-from verispec.train.drafter import target_continuations
+from verispec.train.drafter import (  # noqa: F401  (continuations_file, target_fingerprint: bench.ablation's)
+    claim_run_dir,
+    continuations_file,
+    target_continuations,
+    target_fingerprint,
+)
 
 MASK_TOKEN = "<|mask|>"
-
-
-def target_fingerprint(target: Path) -> str:
-    """Continuations and drafters trained on them depend on the target's weights: key their files by these."""
-    weights = target / "model.safetensors"
-    h = hashlib.sha256(str(weights.stat().st_size).encode())
-    with weights.open("rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:12]
-
-
-def continuations_file(target: Path, runs: Path, split: str, dtype: str = "bf16") -> Path:
-    suffix = "" if dtype == "bf16" else f"-{dtype}"  # greedy continuations differ (rarely) between dtypes
-    return runs / f"continuations-{split}-{target_fingerprint(target)}{suffix}.u16"
 
 
 @torch.no_grad()
@@ -66,6 +56,7 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
     runs = args.data_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     tokens = args.data_dir / "tokens"
+    trained_for = claim_run_dir(out, target)
     train = target_continuations(target, tokens / "train.bin", continuations_file(target, runs, "train", args.dtype),
                                  num=args.num_sequences, dtype=args.dtype)
     model = train_block_drafter(target, train, out, cfg, mask_id, stop_at=args.stop_at)
@@ -78,9 +69,10 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
     meta = json.loads((out / "state" / "meta.json").read_text())
     summary = {"kind": cfg.kind, "loss": cfg.loss, "parameters": sum(p.numel() for p in model.parameters()),
                "steps": meta["step"], "training_hours": meta["elapsed_s"] / 3600, "held_out": held_out,
-               "num_sequences": len(train),
+               "num_sequences": len(train), "target": {**trained_for, "path": _shown(target)},
                "config": json.loads(json.dumps(cfg.__dict__, default=list))}
-    save_block_drafter(model, zoo_dir, extra={"training": summary})
+    # `trained_for` names the target whose continuations and hidden states trained it (a quantized copy in stage 2)
+    save_block_drafter(model, zoo_dir, extra={"training": summary, "trained_for": summary["target"]})
     (zoo_dir / "README.md").write_text(card(summary, target))
     print(f"saved {zoo_dir}: held-out block accuracy {held_out['accuracy']:.3f}, greedy tau {held_out['tau']:.2f}")
     return 0
@@ -96,22 +88,24 @@ def card(summary: dict, target: Path) -> str:
     if c.get("init_from"):  # a warm-started leg: its steps come on top of the source drafter's
         warm = f" --lr {c['lr']} \\\n        --init-from {_shown(Path(c['init_from']))}"
     rnn = " --head rnn" if summary["kind"] == "dspark" and c.get("head") == "rnn" else ""
+    t = summary.get("target") or {}
+    quant = f" ({t['quantization']} weights)" if t.get("quantization") else ""
     return f"""# verispec {summary['kind']} drafter
 
-A block drafter for `{_shown(target)}`: {c['num_layers']} decoder layers over the target's hidden states at layers
-{c['target_layers']}, block size {c['block_size']}, {head}; {summary['parameters'] / 1e6:.2f}M parameters of its
-own (the target's embedding and LM head are shared). Weights in bf16 safetensors. Proposals see the
-latest {c['prompt_len']}..{2 * c['prompt_len']} context positions (`context_window`, as in training;
-`:window=N` changes it).
+A block drafter for `{_shown(target)}`{quant} (fingerprint `{t.get('fingerprint')}`): {c['num_layers']} decoder
+layers over the target's hidden states at layers {c['target_layers']}, block size {c['block_size']}, {head};
+{summary['parameters'] / 1e6:.2f}M parameters of its own (the target's embedding and LM head are shared). Weights in
+bf16 safetensors. Proposals see the latest {c['prompt_len']}..{2 * c['prompt_len']} context positions
+(`context_window`, as in training; `:window=N` changes it).
 
 ## Training
 The target's own greedy continuations of training-corpus prompts (PSF-licensed Python sources and docs),
 {c['anchors']} random anchors per sequence, loss `{summary['loss']}`, AdamW lr {c['lr']}, {summary['steps']} steps of
 {c['batch_size']} sequences in {summary['training_hours']:.2f} h on CPU (frozen target in {c['target_dtype']}). Recipe:
 
-    verispec train drafter --kind {summary['kind']}{rnn} --loss {summary['loss']} --block-size {c['block_size']} \\
-        --anchors {c['anchors']} --max-steps {c['max_steps']} --num-sequences {summary.get('num_sequences', 1536)} \\
-        --dtype {c['target_dtype']}{warm}
+    verispec train drafter --target {_shown(target)} --kind {summary['kind']}{rnn} --loss {summary['loss']} \\
+        --block-size {c['block_size']} --anchors {c['anchors']} --max-steps {c['max_steps']} \\
+        --num-sequences {summary.get('num_sequences', 1536)} --dtype {c['target_dtype']}{warm}
 
 ## Held-out (validation split continuations)
 - block token accuracy {summary['held_out']['accuracy']:.3f}; greedy acceptance length tau {summary['held_out']['tau']:.2f}

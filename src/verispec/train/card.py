@@ -67,11 +67,13 @@ DRAFTER_METHOD = ("Distilled from the target: next-token cross-entropy on the ta
 
 
 def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str, method: str = TARGET_METHOD,
-             recipe: str = "verispec train target", earlier: dict | None = None) -> dict:
+             recipe: str = "verispec train target", earlier: dict | None = None,
+             trained_for: dict | None = None) -> dict:
     """Copy run_dir/model (bf16) and the tokenizer into zoo_dir, with loss.png and a README model card.
 
     `earlier`: the training summary of the run this one warm-started from (a second stage): the card and the
-    summary then report both stages and their totals."""
+    summary then report both stages and their totals. `trained_for`: a drafter's target (train.drafter's
+    target_record), kept in the summary and named on the card."""
     zoo_dir.mkdir(parents=True, exist_ok=True)
     for f in (run_dir / "model").iterdir():
         shutil.copy2(f, zoo_dir / f.name)
@@ -93,6 +95,8 @@ def finalize(run_dir: Path, data_dir: Path, zoo_dir: Path, name: str, role: str,
         "final_val_loss": val[-1]["val_loss"] if val else None, "heldout_perplexity": ppl,
         "config": cfg,
     }
+    if trained_for is not None:
+        summary["trained_for"] = trained_for
     stages = ""
     if earlier is not None:
         summary["stages"] = [*earlier.get("stages", [_stage(earlier)]), _stage(summary)]
@@ -123,7 +127,7 @@ trained from scratch on CPU. Weights in bf16 safetensors, Hugging Face layout (`
 {method}; AdamW (β 0.9/0.95, weight decay {cfg['weight_decay']}), peak lr {cfg['lr']} with
 {cfg['warmup_steps']} warmup steps and cosine decay to {cfg['min_lr_ratio']}×, {cfg['batch_size']}×{cfg['seq_len']}
 tokens per step, bf16 autocast, {meta['step']} steps = {meta['step'] * cfg['batch_size'] * cfg['seq_len'] / 1e6:.1f}M tokens in
-{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `{recipe}`.{stages}
+{meta['elapsed_s'] / 3600:.2f} h on 2 CPU cores. Recipe: `{recipe}`.{stages}{_target_line(trained_for)}
 
 ## Results
 - final train loss (mean of the last 20 steps): {summary['final_train_loss']:.3f} nats/token
@@ -140,3 +144,10 @@ def _stage(summary: dict) -> dict:
     cfg = summary["config"]
     stage = {k: summary[k] for k in ("steps", "training_hours", "final_val_loss", "config")}
     return {**stage, "training_tokens": summary["steps"] * cfg["batch_size"] * cfg["seq_len"]}
+
+
+def _target_line(trained_for: dict | None) -> str:
+    if trained_for is None:
+        return ""
+    quant = f", {trained_for['quantization']} weights" if trained_for.get("quantization") else ""
+    return f"\n\nTrained for the target `{trained_for['path']}` (fingerprint `{trained_for['fingerprint']}`{quant})."
