@@ -154,12 +154,17 @@ def test_draft_model_stage2_warm_starts_on_the_quantized_target(world, tmp_path)
     arch = draft_architecture(tmp_path / "drafter")
     cfg = TrainConfig(seq_len=255, batch_size=4, lr=1e-3, warmup_steps=1, max_steps=2, eval_every=2, eval_windows=2,
                       model=arch, init_from=str(tmp_path / "drafter"))
-    cont = continuations_file(world / "w4", tmp_path, "train")
+    # The run dir's continuation cache is keyed by the target (it was one continuations.u16 for any target).
+    (tmp_path / "run").mkdir()
+    np.zeros((4, 256), dtype=np.uint16).tofile(tmp_path / "run" / "continuations.u16")  # a stale bf16-era cache
     out = train_drafter(world / "w4", world / "data" / "tokens", tmp_path / "run", cfg, num_sequences=4,
-                        progress=False, continuations=cont)
-    assert cont.is_file() and target_fingerprint(world / "w4") in cont.name
-    assert json.loads((tmp_path / "run" / "target.json").read_text())["quantization"] == "w4a16-g32"
+                        progress=False)
+    cont = tmp_path / "run" / f"continuations-{target_fingerprint(world / 'w4')}.u16"
+    rows = np.fromfile(cont, dtype=np.uint16).reshape(-1, 256)
     qmodel = load_model(world / "w4", "fp32")
+    assert rows[0, 128:].tolist() == decode(qmodel, rows[0, :128].tolist(),
+                                            SamplingParams(max_tokens=128, ignore_eos=True)).token_ids
+    assert json.loads((tmp_path / "run" / "target.json").read_text())["quantization"] == "w4a16-g32"
     tok.save(out)
     drafter = _drafter(f"model:{out}", qmodel)
     p = [5, 9, 17, 33, 60]
@@ -167,6 +172,20 @@ def test_draft_model_stage2_warm_starts_on_the_quantized_target(world, tmp_path)
         decode(qmodel, p, GREEDY).token_ids
     with pytest.raises(CheckpointError, match="quantized"):
         draft_architecture(world / "w4")
+
+
+def test_a_quantized_targets_key_covers_its_whole_file(tmp_path):
+    """Two quantized copies that agree on their first MiB (header, dense tensors) but not after it get different
+    continuation keys; a dense checkpoint keeps its old key (size and first MiB), so existing caches stay valid."""
+    keys = {}
+    for name, last in (("a", b"a"), ("b", b"b")):
+        for kind, cfg in (("q", {"quantization_config": {}}), ("d", {})):
+            d = tmp_path / f"{kind}{name}"
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps(cfg))
+            (d / "model.safetensors").write_bytes(bytes(2 << 20) + last)
+            keys[kind + name] = target_fingerprint(d)
+    assert keys["qa"] != keys["qb"] and keys["da"] == keys["db"]
 
 
 @pytest.mark.parametrize("k", [2, 4])
