@@ -15,8 +15,8 @@ from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import _LengthPolicy, decode
 from verispec.drafters import Draft, ModelDrafter, NgramDrafter
 from verispec.drafters.block import BlockDrafter
-from verispec.profile import StepProfile
 from verispec.errors import ConfigError
+from verispec.profile import StepProfile
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28]]
 GREEDY = SamplingParams(max_tokens=36, ignore_eos=True)

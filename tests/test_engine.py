@@ -23,9 +23,9 @@ from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfi
 from verispec.decode import decode
 from verispec.drafters import Draft, ModelDrafter
 from verispec.engine import Engine
+from verispec.errors import ConfigError, QueueFull
 from verispec.policies import AcceptanceEstimator, dspark_lengths, survival
 from verispec.profile import StepProfile, measure
-from verispec.errors import ConfigError, QueueFull
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6],

@@ -15,6 +15,7 @@ from scipy import stats
 from verispec import sampling
 from verispec.verify import (
     PLACEHOLDER_TOKEN_ID,
+    greedy_tree_verify,
     greedy_verify,
     rejection_verify,
     sample_match_verify,
@@ -425,3 +426,53 @@ def test_greedy_single_request_equals_the_batched_rule():
             assert alone.tokens.dtype == alone.num_accepted.dtype == torch.long
             assert alone.tokens.tolist() == batched.tokens[:1, : k + 1].tolist()
             assert alone.num_accepted.tolist() == batched.num_accepted[:1].tolist()
+
+
+def test_greedy_tree_verify_on_a_chain_is_greedy_verify():
+    """A chain is the tree whose parents are -1, 0, ..., k-2: greedy_tree_verify commits what greedy_verify does,
+    with tie-heavy logits and every draft length including 0, and its path is 0..a-1."""
+    g = torch.Generator().manual_seed(2)
+    for k in range(6):
+        for _ in range(40):
+            drafts = torch.randint(0, 4, (k,), generator=g)
+            logits = torch.randint(0, 3, (k + 1, 4), generator=g).float()
+            chain = greedy_verify(drafts, torch.tensor([k]), logits)
+            tree, path = greedy_tree_verify(drafts, torch.arange(-1, k - 1), logits)
+            assert tree.tokens.tolist() == chain.tokens.tolist()
+            assert tree.num_accepted.tolist() == chain.num_accepted.tolist()
+            assert path.tolist() == list(range(int(chain.num_accepted[0])))
+
+
+def test_greedy_tree_verify_takes_the_deepest_accepted_path():
+    # anchor -> 0 (rejected) -> 3 (matches, but its parent was rejected); anchor -> 1 -> 2 (accepted) -> 4 (rejected)
+    parents = torch.tensor([-1, -1, 1, 0, 2])
+    tokens = torch.tensor([7, 5, 9, 8, 1])
+    best = [5, 8, 9, 2, 6, 3]  # argmax at the anchor, then at nodes 0..4
+    out, path = greedy_tree_verify(tokens, parents, _peaked_logits(best))
+    assert path.tolist() == [1, 2] and out.num_accepted.tolist() == [2]
+    assert out.tokens.tolist() == [[5, 9, best[3], PAD]]  # depth 3: one placeholder
+    nothing, empty = greedy_tree_verify(tokens, parents, _peaked_logits([6] * 6))
+    assert empty.tolist() == [] and nothing.tokens.tolist() == [[6, PAD, PAD, PAD]]
+
+
+def test_greedy_tree_verify_matches_brute_force_on_random_trees():
+    """Every root-to-node path whose nodes all match the argmax at their parent, the deepest (first on a tie):
+    enumerated from scratch on random trees with tie-heavy logits and duplicate sibling tokens."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        n = int(torch.randint(0, 9, (1,), generator=g))
+        parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)]
+        tokens = torch.randint(0, 3, (n,), generator=g)
+        logits = torch.randint(0, 2, (n + 1, 3), generator=g).float()
+        best = sampling.greedy(logits).tolist()
+
+        def root_path(i):
+            return [] if i < 0 else root_path(parents[i]) + [i]
+
+        accepted = [p for p in (root_path(i) for i in range(n))
+                    if all(int(tokens[j]) == best[(parents[j]) + 1] for j in p)]
+        want = max(accepted, key=lambda p: (len(p), -p[-1]), default=[])
+        out, path = greedy_tree_verify(tokens, torch.tensor(parents, dtype=torch.long), logits)
+        assert path.tolist() == want
+        committed = out.tokens[0, : len(want) + 1].tolist()
+        assert committed == [int(tokens[j]) for j in want] + [best[want[-1] + 1 if want else 0]]

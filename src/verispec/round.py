@@ -19,7 +19,11 @@ from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sampl
 
 
 def check_draft(draft: Draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
-    """Raise ValueError for a proposal longer than its budget or with a token outside the vocabulary."""
+    """Raise ValueError for a proposal longer than its budget, with a token outside the vocabulary, or shaped as a
+    tree: this round verifies chains (verify.greedy_tree_verify is the pure rule a tree round will use)."""
+    if not draft.is_chain:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed a tree draft (parents {draft.parents}); "
+                         f"decode and the engine verify chain drafts only")
     if len(draft.tokens) > budget or any(not 0 <= t < vocab_size for t in draft.tokens):
         raise ValueError(
             f"drafter {type(drafter).__name__} proposed {draft.tokens} for a budget of {budget} tokens "
@@ -34,7 +38,9 @@ def verify_round(
     rule: str,  # SpecConfig.verify: "rejection" or "sample-match" (greedy requests verify greedily either way)
     generator: torch.Generator | None,  # the request's RNG (None when greedy)
 ) -> VerifyOutput:
-    """Verify one request's draft; an empty draft is a plain decoding step (the same draw, no bookkeeping)."""
+    """Verify one request's chain draft; an empty draft is a plain decoding step (the same draw, no bookkeeping)."""
+    if not draft.is_chain:
+        raise ValueError("verify_round verifies chain drafts only; this draft is a tree")
     if not draft.tokens:
         token = greedy(logits[0]) if params.greedy else sample(probs_for(logits[0], params), generator)
         return VerifyOutput(token.view(1, 1), torch.zeros(1, dtype=torch.long))

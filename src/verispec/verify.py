@@ -12,6 +12,11 @@ So a request always commits num_accepted + 1 tokens. Ragged batches are flattene
 rows and k_b + 1 target rows, stored back to back in request order. Outputs are padded with
 PLACEHOLDER_TOKEN_ID.
 
+Trees: a draft may also be a tree of N nodes (node i continues its parent's path, -1 = the anchor; parents before
+children), scored in one forward with a tree attention mask: target row 0 is the anchor, row i + 1 node i.
+greedy_tree_verify commits the longest root-to-leaf path of accepted nodes (one request; chains are its special
+case). Lossless tree sampling is not here yet.
+
 Three rules:
 - greedy_verify: accept while x_j == argmax p_j (temperature 0).
 - sample_match_verify: draw y_j ~ p_j, accept while x_j == y_j; needs no q, lossless, lower acceptance at T > 0.
@@ -184,3 +189,40 @@ def rejection_verify(
     final_probs = torch.where(rejected[:, None], residual, p_final)
     final = torch.stack([sample(final_probs[b : b + 1], g)[0] for b, g in enumerate(generators)])
     return VerifyOutput(_commit(drafts, final, num_accepted), num_accepted)
+
+
+def greedy_tree_verify(
+    draft_tokens: torch.Tensor,  # [N] one request's draft tree, nodes in topological order
+    parents: torch.Tensor,  # [N] each node's parent index, -1 for a child of the anchor
+    target_logits: torch.Tensor,  # [N + 1, V] row 0 the anchor, row i + 1 node i (given its root path)
+) -> tuple[VerifyOutput, torch.Tensor]:  # (committed tokens [1, D + 1], accepted path: node indices [a])
+    """Greedy verification of one tree: node i is accepted when its parent is and x_i == argmax p at the parent.
+    Commits the deepest accepted path (the first such node in order on a tie) plus the argmax after its last node.
+    D is the tree's depth; VerifyOutput pads the row with PLACEHOLDER_TOKEN_ID as for chains.
+
+    Example: parents [-1, -1, 1], tokens [7, 5, 9], argmax at the anchor 5 and at node 1 9: nodes 1 and 2 are
+    accepted (node 0 is not), so the path is [1, 2] and the commit [5, 9, argmax at node 2].
+    """
+    best, tokens, par = greedy(target_logits).tolist(), draft_tokens.tolist(), parents.tolist()
+    depth = [0] * len(tokens)  # accepted depth of each node, 0 = rejected
+    for i, (x, p) in enumerate(zip(tokens, par)):
+        if (p < 0 or depth[p]) and x == best[p + 1]:
+            depth[i] = 1 + (depth[p] if p >= 0 else 0)
+    path: list[int] = []
+    node = max(range(len(tokens)), key=lambda i: (depth[i], -i), default=-1)
+    while node >= 0 and depth[node]:
+        path.append(node)
+        node = par[node]
+    path.reverse()
+    final = best[path[-1] + 1 if path else 0]
+    row = [tokens[i] for i in path] + [final] + [PLACEHOLDER_TOKEN_ID] * (_tree_depth(par) - len(path))
+    device = target_logits.device
+    return (VerifyOutput(torch.tensor([row], device=device), torch.tensor([len(path)], device=device)),
+            torch.tensor(path, dtype=torch.long, device=device))
+
+
+def _tree_depth(parents: list[int]) -> int:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 + (depth[p] if p >= 0 else 0))
+    return max(depth, default=0)

@@ -30,23 +30,61 @@ class DraftRequest:
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: list[int]  # k' <= budget proposed tokens
-    probs: torch.Tensor | None = None  # [k', V] the q each token was drawn from; None = point mass (argmax/lookup)
-    confidence: torch.Tensor | None = None  # [k'] estimated P(accepted | all before accepted), if known
+    """A drafter's proposal for one sequence: a tree of k' nodes, each a token with its q row and confidence.
+
+    Nodes are in topological order: node i continues the path to its parent `parents[i]` (< i), and -1 means it
+    follows the anchor directly. A chain x_1..x_k is the tree whose parents are -1, 0, ..., k-2, stored as
+    `parents=None` (`Draft.chain`); every drafter proposes chains today, and decode and the engine verify chains
+    only (`round.check_draft` refuses a tree).
+    """
+
+    tokens: list[int]  # k' <= budget proposed tokens, one per node
+    probs: torch.Tensor | None = None  # [k', V] the q each node was drawn from (given its path); None = point mass
+    confidence: torch.Tensor | None = None  # [k'] estimated P(node accepted | its parent accepted), if known
+    parents: tuple[int, ...] | None = None  # [k'] each node's parent index, -1 = the anchor; None = a chain
 
     def __post_init__(self) -> None:
-        if self.probs is not None and self.probs.shape[0] != len(self.tokens):
-            raise ValueError(f"draft has {len(self.tokens)} tokens but {self.probs.shape[0]} probability rows")
+        k = len(self.tokens)
+        if self.probs is not None and self.probs.shape[0] != k:
+            raise ValueError(f"draft has {k} tokens but {self.probs.shape[0]} probability rows")
+        if self.confidence is not None and self.confidence.shape[0] != k:
+            raise ValueError(f"draft has {k} tokens but {self.confidence.shape[0]} confidences")
+        if self.parents is not None:
+            if len(self.parents) != k or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError(f"draft parents {self.parents} for {k} tokens: need one per node, each in "
+                                 f"[-1, its own index)")
+            if self.parents == chain_parents(k):
+                object.__setattr__(self, "parents", None)  # one representation per chain
+
+    @staticmethod
+    def chain(tokens: list[int], probs: torch.Tensor | None = None, confidence: torch.Tensor | None = None) -> Draft:
+        """A sequence draft x_1..x_k: node j's parent is node j - 1."""
+        return Draft(tokens, probs, confidence)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    @property
+    def node_parents(self) -> tuple[int, ...]:
+        """Every node's parent index, chains included (-1, 0, ..., k-2)."""
+        return chain_parents(len(self.tokens)) if self.parents is None else self.parents
 
     def truncated(self, n: int) -> Draft:
-        """The first n tokens, with their q rows and confidences."""
+        """The first n nodes (a subtree: parents come first), with their q rows and confidences."""
         if n >= len(self.tokens):
             return self
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     None if self.confidence is None else self.confidence[:n])
+                     None if self.confidence is None else self.confidence[:n],
+                     None if self.parents is None else self.parents[:n])
 
 
-EMPTY_DRAFT = Draft(tokens=[])
+def chain_parents(k: int) -> tuple[int, ...]:
+    """The parents of a k-token chain: -1, 0, ..., k-2."""
+    return tuple(range(-1, k - 1))
+
+
+EMPTY_DRAFT = Draft.chain([])
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ class BlockDrafter(Drafter):
                 prev = [anchor_ids[row], *tokens[row][:-1]]
                 conf = torch.tensor([_sigmoid((conf_h[row][j] + table[x]) / self._temperature(j))
                                      for j, x in enumerate(prev)], device=device)
-            drafts[i] = Draft(tokens[row], probs[row], conf)
+            drafts[i] = Draft.chain(tokens[row], probs[row], conf)
         return drafts
 
     def _head_loop(self, requests, budgets, base, states, prev, tokens, probs, rows) -> None:

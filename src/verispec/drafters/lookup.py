@@ -44,7 +44,7 @@ class LookupFirstDrafter(Drafter):
                 continue
             found = lookup(np.asarray(r.tokens, dtype=np.int64), self.max_n, self.min_n, r.budget)
             if found:
-                drafts[i] = Draft(tokens=found)
+                drafts[i] = Draft.chain(found)
                 self.num_lookup += 1
             else:
                 rest.append(i)

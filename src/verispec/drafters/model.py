@@ -72,7 +72,7 @@ class ModelDrafter(Drafter):
                 tokens[i].append(tok)
                 pending[i] = [tok]
         return [
-            Draft(tokens=t, probs=torch.stack(q) if q else None) if t else EMPTY_DRAFT
+            Draft.chain(t, torch.stack(q) if q else None) if t else EMPTY_DRAFT
             for t, q in zip(tokens, rows)
         ]
 

@@ -43,7 +43,7 @@ class NgramDrafter(Drafter):
             if r.budget <= 0:
                 out.append(EMPTY_DRAFT)
                 continue
-            out.append(Draft(tokens=lookup(np.asarray(r.tokens, dtype=np.int64), self.max_n, self.min_n, r.budget)))
+            out.append(Draft.chain(lookup(np.asarray(r.tokens, dtype=np.int64), self.max_n, self.min_n, r.budget)))
         return out
 
 

@@ -1,0 +1,64 @@
+"""Draft shapes: a draft is a tree of nodes (parent indices, q rows and confidences per node); a chain is the tree
+whose parents are -1, 0, ..., k-2. Every drafter proposes chains; decode and the engine refuse a tree clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from verispec.config import EngineConfig, SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters import Draft, Drafter, DraftRequest, NgramDrafter
+from verispec.drafters.base import chain_parents
+from verispec.engine import Engine
+from verispec.round import verify_round
+
+
+def test_a_chain_is_the_tree_with_parents_minus_one_to_k_minus_two():
+    chain = Draft.chain([4, 5, 6], torch.full((3, 8), 0.125), torch.tensor([0.9, 0.8, 0.7]))
+    assert chain.is_chain and chain.parents is None and chain.node_parents == (-1, 0, 1) == chain_parents(3)
+    explicit = Draft([4, 5, 6], parents=(-1, 0, 1))
+    assert explicit.is_chain and explicit.parents is None  # one representation per chain
+    cut = chain.truncated(2)
+    assert cut.tokens == [4, 5] and cut.probs.shape == (2, 8) and cut.confidence.tolist() == pytest.approx([0.9, 0.8])
+
+
+def test_tree_nodes_carry_parents_q_rows_and_confidences():
+    tree = Draft([4, 5, 6, 7], torch.full((4, 8), 0.125), torch.ones(4), parents=(-1, -1, 0, 1))
+    assert not tree.is_chain and tree.node_parents == (-1, -1, 0, 1)
+    assert tree.truncated(3).parents == (-1, -1, 0) and tree.truncated(2).node_parents == (-1, -1)
+    assert Draft([4, 5, 6], parents=(-1, -1, 0)).truncated(1).is_chain
+    for bad in ((-1, 0), (-1, 1, 0), (-2, 0, 1), (-1, 0, 2)):  # wrong length, a forward parent, out of range
+        with pytest.raises(ValueError, match="parents"):
+            Draft([4, 5, 6], parents=bad)
+    with pytest.raises(ValueError, match="confidences"):
+        Draft([4, 5, 6], confidence=torch.ones(2))
+    with pytest.raises(ValueError, match="probability rows"):
+        Draft([4, 5, 6], probs=torch.ones(2, 8))
+
+
+def test_drafters_propose_chains():
+    req = DraftRequest(0, [1, 2, 3, 1, 2, 3, 1, 2], 4, SamplingParams(), None)
+    (draft,) = NgramDrafter().propose([req])
+    assert draft.tokens and draft.is_chain
+
+
+class TreeDrafter(Drafter):
+    name = "tree"
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft([1, 2], parents=(-1, -1)) for _ in requests]
+
+
+def test_decode_and_the_engine_refuse_a_tree_draft():
+    target = tiny_model()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match="tree draft"):
+        decode(target, [3, 4, 5], params, drafter=TreeDrafter(), spec=SpecConfig(k=2))
+    engine = Engine(target, None, EngineConfig(k=2, drafter="tree"), drafters={"tree": TreeDrafter()})
+    engine.add_request([3, 4, 5], params)
+    with pytest.raises(ValueError, match="tree draft"):
+        engine.run_until_done()
+    with pytest.raises(ValueError, match="chain drafts only"):
+        verify_round(torch.zeros(3, 97), Draft([1, 2], parents=(-1, -1)), params, "rejection", None)
