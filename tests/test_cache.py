@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from verispec.cache import KVCache
+from verispec.cache import KVCache, causal_mask, tree_mask, tree_positions
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters import ModelDrafter
@@ -232,3 +232,103 @@ def test_reserve_grows_and_keeps_the_committed_entries():
     c.write(0, *_kv(5, 2.0))  # now fits
     c.reserve(100)
     assert c.max_len == 100 and torch.equal(c.k[0, :, :, :3], _kv(3, 1.0)[0])
+
+
+def test_compact_keeps_the_given_rows_of_the_last_forward_in_order():
+    """compact(indices) keeps rows of the last forward's entries (every layer, keys and values), moved to its first
+    rows in order; compact(range(m)) is truncate; bad indices are a ValueError that changes nothing."""
+    c = KVCache(L, H, D, T_MAX + 4)
+    for layer in range(L):
+        c.write(layer, *_kv(3, 1.0))
+    c.advance(3)
+    for layer in range(L):
+        k = torch.arange(10.0, 15.0).view(1, 1, 5, 1).expand(1, H, 5, D) + 100 * layer
+        c.write(layer, k, -k)
+    c.advance(5)
+    assert (c.round_start, c.length) == (3, 8)
+    for bad in ([0, 5], [2, 1], [1, 1], [-1]):
+        with pytest.raises(ValueError, match="compact"):
+            c.compact(bad)
+        assert c.length == 8
+    c.compact([0, 2, 4])
+    assert c.length == 6
+    for layer in range(L):
+        assert c.k[layer, 0, :, :6, 0].tolist() == [[1.0] * 3 + [x + 100 * layer for x in (10.0, 12.0, 14.0)]] * H
+        assert torch.equal(c.v[layer, :, :, :6], -c.k[layer, :, :, :6])
+    c.compact([0, 1])  # a prefix of the kept rows: the same as truncate(round_start + 2)
+    assert c.length == 5 and c.k[0, 0, 0, 3:5, 0].tolist() == [10.0, 12.0]
+    c.truncate(2)  # below the last forward's start: nothing of it is left to compact
+    assert c.round_start == 2
+    c.compact([])
+    assert c.length == 2
+
+
+def test_tree_mask_of_a_chain_is_causal():
+    mask = tree_mask(5, [-1, 0, 1], torch.device("cpu"))
+    assert torch.equal(mask, causal_mask(5, 4, torch.device("cpu")))
+    assert tree_positions(5, [-1, -1, 0, 2], torch.device("cpu")).tolist() == [5, 6, 6, 7, 8]
+    tree = tree_mask(2, [-1, -1, 0], torch.device("cpu"))
+    assert tree.long().tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 1]]
+
+
+PARENTS = [-1, -1, 0, 0, 2, 1, 4]  # two branches from the anchor; the deepest path is 0 -> 2 -> 4 -> 6
+
+
+@torch.inference_mode()
+def test_tree_round_then_compact_equals_the_accepted_path_from_scratch():
+    """One forward over [anchor, tree nodes] with the tree mask and positions scores each node as a fresh run of
+    prefix + its root path does (that one on the native forward where it builds); compacting the cache to the
+    anchor and the deepest path leaves what a fresh cache fed prefix + that path holds, and the next forward
+    agrees too."""
+    m = tiny_model()
+    prefix, nodes = _ids(9, 5)[0].tolist(), _ids(len(PARENTS), 6)[0].tolist()
+    c = KVCache.for_model(m)
+    m(torch.tensor([prefix[:-1]]), cache=c, num_logits=0)
+    start = c.length
+    got, _ = m(torch.tensor([[prefix[-1], *nodes]]), tree_positions(start, PARENTS, m.device)[None], cache=c,
+               attn_mask=tree_mask(start, PARENTS, m.device))
+
+    def root_path(i):
+        return [] if i < 0 else root_path(PARENTS[i]) + [i]
+
+    for i in range(-1, len(PARENTS)):
+        want, _ = m(torch.tensor([prefix + [nodes[j] for j in root_path(i)]]))
+        torch.testing.assert_close(got[0, i + 1], want[0, -1], atol=1e-5, rtol=0, msg=f"node {i}")
+    path = root_path(6)
+    c.compact([0] + [j + 1 for j in path])
+    fresh = KVCache.for_model(m)
+    m(torch.tensor([prefix + [nodes[j] for j in path]]), cache=fresh, num_logits=0)
+    assert c.length == fresh.length == len(prefix) + len(path)
+    torch.testing.assert_close(c.k[:, :, :, : c.length], fresh.k[:, :, :, : c.length], atol=1e-5, rtol=0)
+    torch.testing.assert_close(c.v[:, :, :, : c.length], fresh.v[:, :, :, : c.length], atol=1e-5, rtol=0)
+    nxt = _ids(3, 7)
+    torch.testing.assert_close(m(nxt, cache=c)[0], m(nxt, cache=fresh)[0], atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()  # as at inference: the kernel serves no gradient
+def test_native_attention_never_applies_a_causal_mask_to_a_tree(monkeypatch):
+    """The native kernels know the causal pattern only: a forward with a tree mask must call neither the native
+    forward (decoder.c) nor the native attention (it falls back to SDPA with the mask), while a causal forward on
+    the per-layer path (explicit positions) does call the attention kernel where it is available."""
+    from verispec.model import layers
+
+    calls = []
+    real = layers.native.attention
+    monkeypatch.setattr(layers.native, "attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    m = tiny_model()
+    c = KVCache.for_model(m)
+    m(_ids(6, 8), cache=c, num_logits=0)
+    parents = [-1, -1, 0]
+    m(_ids(4, 9), tree_positions(6, parents, m.device)[None], cache=c, attn_mask=tree_mask(6, parents, m.device))
+    assert calls == []
+    fused_calls = []
+    if m.fused is not None:  # decoder.c's whole forward is causal as well: a mask keeps a forward off it
+        real_fused = m.fused.forward
+        monkeypatch.setattr(m.fused, "forward", lambda *a, **kw: fused_calls.append(1) or real_fused(*a, **kw))
+    m(_ids(2, 11), cache=c, attn_mask=tree_mask(10, [-1], m.device))  # default positions: a chain-shaped mask
+    assert calls == [] and fused_calls == []
+    m(_ids(1, 12), cache=c)
+    assert fused_calls == ([1] if m.fused is not None and m.fused.usable() else [])
+    m(_ids(3, 10), torch.arange(13, 16)[None], cache=c)  # explicit positions: the per-layer path
+    if layers.native.available():
+        assert calls and all(kw["causal"] for kw in calls)

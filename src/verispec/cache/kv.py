@@ -2,10 +2,13 @@
 
 All sequences in one cache share one length (the reference loop runs one sequence; batched engines keep one
 cache per slot or a paged cache). Rolling back rejected draft tokens is `truncate(n)`: the stale entries stay
-in memory and are overwritten by the next forward, exactly like a position-indexed static cache.
+in memory and are overwritten by the next forward, exactly like a position-indexed static cache. A tree round
+keeps its accepted path instead: `compact(indices)` keeps the given rows of the last forward, in order.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -27,6 +30,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0  # committed entries; positions [0, length) are valid
+        self.round_start = 0  # where the last forward's entries begin (see compact)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_len: int | None = None, batch: int = 1) -> KVCache:
@@ -52,6 +56,7 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, num_new: int) -> None:
+        self.round_start = self.length
         self.length += num_new
 
     def truncate(self, length: int) -> None:
@@ -59,6 +64,23 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
+        self.round_start = min(self.round_start, length)
+
+    def compact(self, indices: Sequence[int]) -> None:
+        """Keep only the given rows of the last forward's entries (ascending indices into them), moved to its
+        first rows in order, and drop the rest: a tree round keeps the anchor and its accepted path. The kept keys
+        carry the RoPE positions they were computed at (anchor + depth), which are the positions they now hold.
+        compact(range(m)) is truncate(round_start + m)."""
+        rows = self.length - self.round_start
+        keep = list(indices)
+        if any(not 0 <= i < rows for i in keep) or any(a >= b for a, b in zip(keep, keep[1:])):
+            raise ValueError(f"cannot compact the last {rows} entries to rows {keep}: need ascending indices "
+                             f"in [0, {rows})")
+        start, m = self.round_start, len(keep)
+        src = torch.tensor(keep, dtype=torch.long, device=self.k.device) + start
+        self.k[:, :, :, start : start + m] = self.k[:, :, :, src]  # advanced indexing copies: no overlap issue
+        self.v[:, :, :, start : start + m] = self.v[:, :, :, src]
+        self.length = start + m
 
     def reserve(self, max_len: int) -> None:
         """Room for at least max_len entries: grows the storage (at least doubling it, committed entries
@@ -82,6 +104,7 @@ class KVCache:
             self.k[:, :, :, :keep] = self.k[:, :, :, n : self.length].clone()
             self.v[:, :, :, :keep] = self.v[:, :, :, n : self.length].clone()
             self.length = keep
+            self.round_start = max(0, self.round_start - n)
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,27 @@ def causal_mask(start: int, seqlen: int, device: torch.device) -> torch.Tensor |
     return torch.arange(start + seqlen, device=device)[None, :] <= rows
 
 
+def tree_mask(start: int, parents: list[int], device: torch.device) -> torch.Tensor:
+    """[N + 1, start + N + 1] bool mask for a tree round after `start` cached entries: row 0 the anchor, row i + 1
+    node i (parent parents[i], -1 = the anchor, parents before children). Each row sees the cache, the anchor,
+    its ancestors and itself. A chain's mask is causal_mask's."""
+    n = len(parents)
+    mask = torch.zeros(n + 1, start + n + 1, dtype=torch.bool)
+    mask[:, : start + 1] = True
+    for i, p in enumerate(parents):
+        mask[i + 1] = mask[p + 1]  # the parent's row (the anchor's for p = -1) sees every ancestor already
+        mask[i + 1, start + i + 1] = True
+    return mask.to(device)
+
+
+def tree_positions(start: int, parents: list[int], device: torch.device) -> torch.Tensor:
+    """[N + 1] positions of a tree round's rows: the anchor at `start`, each node one past its parent."""
+    pos = [start]
+    for p in parents:
+        pos.append(pos[p + 1] + 1)
+    return torch.tensor(pos, device=device)
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     segments: tuple[Segment, ...]

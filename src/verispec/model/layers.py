@@ -135,17 +135,18 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache,  # KVCache | PackedBatch | None
         mask: torch.Tensor | None,  # [T, S] bool (True = attend) or None for "causal from position 0"
+        causal: bool = True,  # False: `mask` is any other pattern (a draft tree's), never taken for a causal one
     ) -> torch.Tensor:  # [B, T, d]
         bsz, seqlen, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)  # [B, H, T, D]
-        if isinstance(cache, PackedBatch):  # B == 1: each segment attends to its own cache
+        if isinstance(cache, PackedBatch):  # B == 1: each segment attends to its own cache (masks all causal)
             out = torch.cat([
                 self._attend(q[:, :, s.start : s.start + s.length], k[:, :, s.start : s.start + s.length],
                              v[:, :, s.start : s.start + s.length], s.cache, m)
                 for s, m in zip(cache.segments, cache.masks)
             ], dim=2)
         else:
-            out = self._attend(q, k, v, cache, mask)
+            out = self._attend(q, k, v, cache, mask, causal)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def _qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,12 +170,15 @@ class Attention(nn.Module):
             q, k = qk[:, :, :nq], qk[:, :, nq:]
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def _attend(self, q, k, v, cache, mask) -> torch.Tensor:  # q [B, H, T, D] -> [B, H, T, D]
+    def _attend(self, q, k, v, cache, mask, causal: bool = True) -> torch.Tensor:  # q [B, H, T, D] -> [B, H, T, D]
         dtype = q.dtype
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, Hkv, S, D] with S = cached + T, in the cache's dtype
             q = q.to(k.dtype)
-        if native.attention_supported(q, k, v):  # every mask here is causal after the cache (causal_mask)
+        if not causal and mask is None:
+            raise ValueError("a non-causal attention needs its mask")
+        # The native kernel knows the causal pattern only: any other mask (a tree's) goes to SDPA.
+        if causal and native.attention_supported(q, k, v):
             return native.attention(q, k, v, causal=True).to(dtype)
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
@@ -224,6 +228,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+    def forward(self, x, cos, sin, cache, mask, causal: bool = True) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, causal)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -115,36 +115,40 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         hidden_layers: Sequence[int] = (),
         num_logits: int | None = None,
+        attn_mask: torch.Tensor | None = None,  # [T, cached + T] bool, True = attend; default causal
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run T new tokens after the cache's committed entries and commit them to the cache.
 
         Returns logits [B, T', V] for the last T' = num_logits positions (all T by default; 0 skips the LM head)
         and {layer: hidden [B, T, d]} for each requested layer, indexed as Hugging Face `hidden_states`:
         0 is the embedding output and l the output of decoder layer l (the last one before the final norm).
+        `attn_mask` (with `positions`) runs a draft tree (cache.tree_mask, cache.tree_positions); the native
+        forward and attention kernels assume a causal mask, so such a forward takes the torch path.
         """
         # On CPU, oneDNN's bf16 matmul costs about the same for 1 to 8 rows, while the plain BLAS path is
         # linear in rows but twice as fast for one (measured at 49M: 3.5 / 5.6 / 10.7 ms for 1 / 2 / 4 rows
         # against 7.0 / 7.0 / 7.9). Pick by row count.
-        if (self.fused is not None and positions is None and cache is not None and FusedForward.takes(cache)
-                and self.fused.usable()):
+        if (self.fused is not None and positions is None and attn_mask is None and cache is not None
+                and FusedForward.takes(cache) and self.fused.usable()):
             n = tokens.shape[1] if num_logits is None else num_logits
             return self.fused.forward(tokens, cache, hidden_layers, n)
         few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
         with _onednn(enabled=not few_rows):
-            return self._forward(tokens, positions, cache, hidden_layers, num_logits)
+            return self._forward(tokens, positions, cache, hidden_layers, num_logits, attn_mask)
 
-    def _forward(self, tokens, positions, cache, hidden_layers, num_logits):
+    def _forward(self, tokens, positions, cache, hidden_layers, num_logits, attn_mask=None):
         bsz, seqlen = tokens.shape
         start = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(start, start + seqlen, device=tokens.device).expand(bsz, seqlen)
         x = self.model.embed_tokens(tokens)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        mask = causal_mask(start, seqlen, tokens.device)
+        causal = attn_mask is None
+        mask = causal_mask(start, seqlen, tokens.device) if causal else attn_mask
         wanted = set(hidden_layers)
         hidden = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.model.layers, start=1):
-            x = layer(x, cos, sin, cache, mask)
+            x = layer(x, cos, sin, cache, mask, causal)
             if i in wanted:
                 hidden[i] = x
         if cache is not None:
