@@ -19,7 +19,7 @@ import platform
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,11 +44,13 @@ SPEED_TARGETS = ("bf16", "w8a16", "w4a16")
 DRAFTERS = {"plain": None, "dspark": f"dspark:{DSPARK}", "lookup:dspark": f"lookup:dspark:{DSPARK}"}
 
 
-def target_dirs(cache: Path, with_gptq: bool) -> tuple[dict[str, Path], dict[str, float]]:
+def target_dirs(cache: Path, with_gptq: bool, w4_group: int = 32) -> tuple[dict[str, Path], dict[str, float]]:
     """Each copy's checkpoint directory, quantizing the ones not cached yet, and the seconds each took (kept
-    beside the cached copy in quantize_seconds.txt)."""
+    beside the cached copy in quantize_seconds.txt). The w4a16 copies use groups of `w4_group`."""
     dirs, seconds = {}, {}
     for name, cfg in COPIES.items():
+        if cfg is not None and cfg.scheme == "w4a16":
+            cfg = replace(cfg, group_size=w4_group)
         if cfg is None:
             dirs[name] = TARGET
             continue
@@ -343,6 +345,12 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=64)
     ap.add_argument("--ppl-texts", type=int, default=24, help="held-out code and prose texts for perplexity")
     ap.add_argument("--no-gptq", action="store_true", help="skip the GPTQ copy")
+    ap.add_argument("--w4-group", type=int, default=32, help="group size of the w4a16 copies")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
+                    help="another quantized copy for the quality table (e.g. w4a16-qad=data/quant/qad-w4a16-g128, "
+                         "from `verispec train qad`), repeatable")
+    ap.add_argument("--quality-only", action="store_true",
+                    help="measure quality only: print its table and write OUT/quality.json (no speed, no README)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache/quant")
     ap.add_argument("--llamacpp-note", type=Path, default=None,
                     help="a markdown file appended as the llama.cpp section")
@@ -369,9 +377,22 @@ def main() -> None:
         write_report(args.out, args, res["quantize_seconds"], res["quality"], res["speed"], cmd)
         print(f"wrote {args.out / 'README.md'}")
         return
-    dirs, quant_times = target_dirs(args.cache, not args.no_gptq)
+    dirs, quant_times = target_dirs(args.cache, not args.no_gptq, args.w4_group)
     tok = Tokenizer.from_dir(TARGET)
-    qual = quality(dirs, tok, args.quality_prompts, args.agree_tokens, args.ppl_texts)
+    extra = dict(e.split("=", 1) for e in args.extra)
+    qual = quality({**dirs, **{k: Path(v) for k, v in extra.items()}}, tok, args.quality_prompts, args.agree_tokens,
+                   args.ppl_texts)
+    if args.quality_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "quality.json").write_text(json.dumps({"w4_group": args.w4_group, "extra": extra,
+                                                           "quality": qual}, indent=1) + "\n")
+        for name in (n for n in qual if not n.startswith("_")):
+            q = qual[name]
+            print(f"{name}: agreement {q['agree']:.1%}, identical prefix {q['prefix']:.1f}, identical "
+                  f"{q['identical']}/{qual['_config']['prompts']}, ppl code {q['ppl_code']:.3f}, "
+                  f"ppl prose {q['ppl_prose']:.3f}")
+        print(f"wrote {args.out / 'quality.json'}")
+        return
     room = 2048 - args.max_tokens - 1
     prompts = [tok.encode(r["prompt"])[-room:] for r in records("code_completion")[: args.prompts_per_task]]
     buckets = {}
