@@ -50,7 +50,7 @@ def main() -> None:
     width, g = len(ids) - 1, model.config.block_size
     with torch.inference_mode():
         cache = KVCache.for_model(target, max_len=len(ids) + g + 1)
-        layers = drafter.needs_hidden_layers
+        layers = drafter.capabilities.hidden_layers
         _, hidden = target(torch.tensor([ids[:-1]]), cache=cache, num_logits=0, hidden_layers=layers)
         drafter.start(0, ids)
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})

@@ -146,7 +146,7 @@ class _Recorder(BlockDrafter):
 
     def __init__(self, inner: BlockDrafter, final_tokens: list[int]) -> None:
         self.inner, self.final = inner, final_tokens
-        self.needs_hidden_layers = inner.needs_hidden_layers
+        self.capabilities = inner.capabilities
 
     def start(self, seq_id, prompt):
         self.inner.start(seq_id, prompt)

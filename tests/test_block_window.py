@@ -35,7 +35,7 @@ class _Rounds(Drafter):
 
     def __init__(self, inner: BlockDrafter) -> None:
         self.inner, self.seen = inner, []
-        self.needs_hidden_layers = inner.needs_hidden_layers  # type: ignore[misc]
+        self.capabilities = inner.capabilities
 
     def start(self, seq_id, prompt):
         self.inner.start(seq_id, prompt)

@@ -1,17 +1,25 @@
-"""Draft shapes: a draft is a tree of nodes (parent indices, q rows and confidences per node); a chain is the tree
-whose parents are -1, 0, ..., k-2. Every drafter proposes chains; decode and the engine refuse a tree clearly."""
+"""Draft shapes and drafter capabilities: a draft is a tree of nodes (parent indices, q rows and confidences per
+node); a chain is the tree whose parents are -1, 0, ..., k-2. Every drafter proposes chains; decode and the engine
+refuse a tree clearly. What a drafter needs (hidden layers, the target's KV) and yields (trees) is instance data."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_model
+from test_block_drafter import make_block
 
+import verispec
 from verispec.config import EngineConfig, SamplingParams, SpecConfig
 from verispec.decode import decode
-from verispec.drafters import Draft, Drafter, DraftRequest, NgramDrafter
+from verispec.drafters import (
+    BlockDrafter, Capabilities, Draft, Drafter, DraftRequest, LookupFirstDrafter, ModelDrafter, NgramDrafter,
+)
 from verispec.drafters.base import chain_parents
 from verispec.engine import Engine
+from verispec.errors import ConfigError
 from verispec.round import verify_round
 
 
@@ -62,3 +70,43 @@ def test_decode_and_the_engine_refuse_a_tree_draft():
         engine.run_until_done()
     with pytest.raises(ValueError, match="chain drafts only"):
         verify_round(torch.zeros(3, 97), Draft([1, 2], parents=(-1, -1)), params, "rejection", None)
+
+
+class KVReader(Drafter):
+    """A self-speculative drafter that would read the target's KV cache: neither decode nor the engine lends it."""
+
+    name = "kv-reader"
+    capabilities = Capabilities(reads_target_kv=True)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        raise AssertionError("never asked to propose")
+
+
+def test_capabilities_are_instance_data_and_compose():
+    target = tiny_model()
+    assert NgramDrafter().capabilities == Capabilities() and not TreeDrafter().capabilities.trees
+    block = BlockDrafter(make_block(target), target)
+    assert block.capabilities == Capabilities(hidden_layers=(1,))
+    assert LookupFirstDrafter(block).capabilities == block.capabilities  # a composed drafter: its inner one's
+    assert LookupFirstDrafter(ModelDrafter(target)).capabilities == Capabilities()
+
+
+def test_decode_and_the_engine_refuse_a_drafter_that_reads_the_target_kv():
+    target = tiny_model()
+    with pytest.raises(ConfigError, match="KV cache"):
+        decode(target, [3, 4, 5], SamplingParams(max_tokens=4), drafter=KVReader(), spec=SpecConfig(k=2))
+    with pytest.raises(ConfigError, match="KV cache"):
+        Engine(target, None, EngineConfig(k=2, drafter="kv"), drafters={"kv": KVReader()})
+
+
+def test_decode_and_the_engine_never_branch_on_a_drafter_type_or_name():
+    """Capabilities are read as data: the round, the policies, decode and the engine name no drafter class and
+    read no drafter's name."""
+    import verispec.drafters as drafters
+
+    classes = [n for n in drafters.__all__ if n.endswith("Drafter") and n != "Drafter"]
+    src = Path(verispec.__file__).parent
+    for path in [src / "decode.py", src / "round.py", src / "policies.py", *sorted((src / "engine").glob("*.py"))]:
+        text = path.read_text()
+        assert not [c for c in classes if c in text], path
+        assert "drafter).name" not in text and "drafter.name" not in text, path

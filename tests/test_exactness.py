@@ -265,7 +265,7 @@ class CacheAudit(Drafter):
 
     def __init__(self, inner: Drafter, target, prompt: list[int]) -> None:
         self.inner, self.target, self.committed = inner, target, list(prompt)
-        self.needs_hidden_layers = inner.needs_hidden_layers
+        self.capabilities = inner.capabilities
         self.target_checks = self.draft_checks = 0
         self.target_cache = None  # the loop's cache: the first one the target sees (the prompt prefill)
         self._orig = target.forward

@@ -23,7 +23,7 @@ from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import check_draft, verify_round
+from verispec.round import check_capabilities, check_draft, verify_round
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 
@@ -118,6 +118,8 @@ def decode_stream(
     start = time.perf_counter()
     limit = min(context_limit or target.config.context_limit, target.config.context_limit)
     validate_prompt(prompt_ids, target.config.vocab_size, limit)
+    if drafter is not None:
+        check_capabilities(drafter)
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
@@ -126,7 +128,7 @@ def decode_stream(
     policy = _LengthPolicy(target, spec.k, profile) if drafter is not None and spec.policy == "dspark" else None
     # Room for the prompt, every output token and one round's draft: no need to zero the whole context.
     cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1))
-    hidden_layers = drafter.needs_hidden_layers if drafter else ()
+    hidden_layers = drafter.capabilities.hidden_layers if drafter else ()
     device = target.device
     prefill_hidden: dict[int, torch.Tensor] = {}
     if len(prompt_ids) > 1:

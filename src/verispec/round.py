@@ -14,15 +14,24 @@ import torch
 
 from verispec.config import SamplingParams
 from verispec.drafters.base import Draft, Drafter
+from verispec.errors import ConfigError
 from verispec.sampling import greedy, probs_for, sample
 from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
+
+
+def check_capabilities(drafter: Drafter) -> None:
+    """Raise ConfigError for a drafter that needs what a round cannot give it yet: the target's KV cache."""
+    if drafter.capabilities.reads_target_kv:
+        raise ConfigError(f"drafter {type(drafter).__name__} reads the target's KV cache, which decode and the "
+                          f"engine do not lend to drafters")
 
 
 def check_draft(draft: Draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
     """Raise ValueError for a proposal longer than its budget, with a token outside the vocabulary, or shaped as a
     tree: this round verifies chains (verify.greedy_tree_verify is the pure rule a tree round will use)."""
     if not draft.is_chain:
-        raise ValueError(f"drafter {type(drafter).__name__} proposed a tree draft (parents {draft.parents}); "
+        declared = "" if drafter.capabilities.trees else " without declaring trees in its capabilities"
+        raise ValueError(f"drafter {type(drafter).__name__} proposed a tree draft (parents {draft.parents}){declared}; "
                          f"decode and the engine verify chain drafts only")
     if len(draft.tokens) > budget or any(not 0 <= t < vocab_size for t in draft.tokens):
         raise ValueError(

@@ -5,6 +5,7 @@ from verispec.drafters.base import (
     BENCH_SPECS,
     DRAFTERS,
     EMPTY_DRAFT,
+    Capabilities,
     Draft,
     Drafter,
     DraftRequest,
@@ -18,7 +19,7 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 
 __all__ = [
-    "BENCH_SPECS", "BlockDrafter", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter", "LookupFirstDrafter",
-    "ModelDrafter", "NgramDrafter", "Verified",
+    "BENCH_SPECS", "BlockDrafter", "Capabilities", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter",
+    "LookupFirstDrafter", "ModelDrafter", "NgramDrafter", "Verified",
     "build_drafter", "register_drafter",
 ]

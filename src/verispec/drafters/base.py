@@ -1,6 +1,6 @@
 """The drafter protocol and its registry.
 
-A drafter declares what it needs as data (`needs_hidden_layers`), is told when a sequence starts and ends,
+A drafter declares what it needs and yields as data (`capabilities`), is told when a sequence starts and ends,
 proposes drafts for a batch of sequences under a per-sequence budget, and hears what verification accepted so it
 can sync its own state. The decode loop and the engine never branch on the kind of drafter.
 """
@@ -88,6 +88,19 @@ EMPTY_DRAFT = Draft.chain([])
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a drafter needs from each round and what it yields, as instance data: decode and the engine read these,
+    never the drafter's type or name. A composed drafter (`lookup:SPEC`) declares its inner drafter's."""
+
+    hidden_layers: tuple[int, ...] = ()  # target hidden states it reads (observe/accept), HF `hidden_states` indices
+    trees: bool = False  # whether its drafts may be trees (Draft.parents); False: chains only
+    reads_target_kv: bool = False  # whether it reads the target's KV cache (self-speculation)
+
+
+NO_NEEDS = Capabilities()
+
+
+@dataclass(frozen=True)
 class Verified:
     """What verification decided for one sequence in one round."""
 
@@ -101,13 +114,13 @@ class Drafter(ABC):
     """Base class with no-op lifecycle hooks; subclasses implement `propose`."""
 
     name: ClassVar[str] = ""
-    needs_hidden_layers: ClassVar[tuple[int, ...]] = ()
+    capabilities: Capabilities = NO_NEEDS  # per instance where they depend on its weights or inner drafter
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
         """A sequence begins (its prompt is `prompt`)."""
 
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
-        """The target computed hidden states {layer: [T, d]} (the layers in `needs_hidden_layers`) for committed
+        """The target computed hidden states {layer: [T, d]} (`capabilities.hidden_layers`) for committed
         positions start..start+T-1 outside a verification round (the prefill)."""
 
     @abstractmethod

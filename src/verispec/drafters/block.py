@@ -31,7 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from verispec.cache import KVCache
 from verispec.config import ModelConfig
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
+from verispec.drafters.base import (
+    EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
+)
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
@@ -54,7 +56,7 @@ class BlockDrafter(Drafter):
         # are computed for these columns only; q is zero elsewhere, so rejection sampling stays exact.
         self.draft_vocab = None if draft_vocab is None else check_draft_vocab(
             draft_vocab, target.config.vocab_size).to(target.device)
-        self.needs_hidden_layers = model.config.target_layers  # type: ignore[misc]  (per instance)
+        self.capabilities = Capabilities(hidden_layers=tuple(model.config.target_layers))
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
         self._ctx: dict[int, KVCache] = {}

@@ -83,7 +83,7 @@ class _Recorder(Drafter):
 
     def __init__(self, inner: BlockDrafter) -> None:
         self.inner = inner
-        self.needs_hidden_layers = inner.needs_hidden_layers  # type: ignore[misc]
+        self.capabilities = inner.capabilities
         self.rows: list[tuple[list[float], int]] = []
         self._pending: dict[int, list[float]] = {}
 

@@ -27,7 +27,7 @@ class LookupFirstDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"lookup sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.inner, self.min_n, self.max_n = inner, min_n, max_n
-        self.needs_hidden_layers = inner.needs_hidden_layers  # type: ignore[misc]  (per instance)
+        self.capabilities = inner.capabilities  # its own drafts are chains that need nothing
         self.num_lookup = self.num_inner = 0  # rounds drafted by each (diagnostics)
 
     def start(self, seq_id: int, prompt: list[int]) -> None:

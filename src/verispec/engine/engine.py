@@ -34,7 +34,7 @@ from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, learn_from_proposals
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import check_draft, verify_batch
+from verispec.round import check_capabilities, check_draft, verify_batch
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 
@@ -81,6 +81,8 @@ class Engine:
         self.limit = min(context_limit or target.config.context_limit, target.config.context_limit)
         self.eos = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
         self._drafters: dict[str, Drafter] = dict(drafters or {})
+        for d in self._drafters.values():
+            check_capabilities(d)
         self._profile = profile
         self.estimator = AcceptanceEstimator(max_k=max(config.k, 16))
         self._draft_s = 0.0  # moving average of a drafting step's time (seconds)
@@ -164,8 +166,9 @@ class Engine:
     # ---- drafters and profile ------------------------------------------------------------------------------
     def drafter(self, spec: str) -> Drafter:
         if spec not in self._drafters:
-            self._drafters[spec] = build_drafter(spec, target=self.target, dtype=self.target.dtype,
-                                                 device=self.target.device)
+            drafter = build_drafter(spec, target=self.target, dtype=self.target.dtype, device=self.target.device)
+            check_capabilities(drafter)
+            self._drafters[spec] = drafter
         return self._drafters[spec]
 
     @property
@@ -307,7 +310,7 @@ class Engine:
             tokens.extend(seg)
         device = self.target.device
         users = [r for r in self.running if r.drafter is not None]
-        hidden_layers = sorted({layer for r in users for layer in self.drafter(r.drafter).needs_hidden_layers})
+        hidden_layers = sorted({layer for r in users for layer in self.drafter(r.drafter).capabilities.hidden_layers})
         batch = PackedBatch.build(caches, lengths, device)
         logits, hidden = self.target.forward_packed(
             torch.tensor(tokens, device=device), batch, torch.tensor(logit_rows, dtype=torch.long, device=device),
@@ -325,7 +328,8 @@ class Engine:
         by_drafter: dict[str, list[DraftRequest]] = {}
         for req in decoding:
             budget = self._budget(req, len(decoding))
-            if len(req.pending) > 1 and req.drafter is not None and self.drafter(req.drafter).needs_hidden_layers:
+            needs = self.drafter(req.drafter).capabilities if req.drafter is not None else None
+            if len(req.pending) > 1 and needs is not None and needs.hidden_layers:
                 budget = 0  # its context (the prompt's hidden states) arrives with this very forward
             if req.drafter is not None and budget > 0:
                 by_drafter.setdefault(req.drafter, []).append(
