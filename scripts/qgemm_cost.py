@@ -7,7 +7,9 @@ best of interleaved repeats (on a shared 2-vCPU machine a 2-thread call whose se
 a time slice: the best shows the uncontended cost), GB/s of weight bytes (scales included) at the best. Then whether each kernel's rows are batch-invariant:
 does a row's output change with the number of rows in the call?
 
-    python scripts/qgemm_cost.py [--threads 2] [--repeats 30] [--target zoo/target]
+    python scripts/qgemm_cost.py [--threads 2] [--repeats 30] [--target zoo/target] [--rows 1,2,4,8,16]
+
+(`--rows 600` times a prefill-sized call.)
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--target", default="zoo/target")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
     if not native.qavailable():
         raise SystemExit("native kernels unavailable here (see verispec.kernels.native)")
     layers = json.loads((Path(args.target) / "config.json").read_text())["num_hidden_layers"]
@@ -84,7 +88,7 @@ def main() -> None:
         for label in [*shp, "forward"]:
             parts = list(shp) if label == "forward" else [label]
             calls = [(shp[p][1], w) for p in parts for w in weights[p]]
-            for m in ROWS:
+            for m in rows:
                 xs = {kk: torch.randn(m, kk).to(BF16) for kk in {kk for kk, _ in calls}}
                 fns = {a: (lambda a=a: [w[a][0](xs[kk]) for kk, w in calls]) for a in names}
                 per = 1 if label == "forward" else layers

@@ -240,20 +240,25 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
      * at chunk offset m0 * K2 * 2 floats, or (dp) bf16 pairs x[p * rows + m] at m0 * K2 */
     float *xbuf = malloc((size_t)(M * K2 * 2) * sizeof(float));
     if (!xbuf) return -1;
+    /* (group, position in the group) loops rather than a division per input: the fill costs a prefill as much as
+     * the tiles otherwise (G2 is only known at run time) */
     for (int64_t m0 = 0; m0 < M; m0 += mr) {
         const int64_t rows = M - m0 < mr ? M - m0 : mr;
         for (int64_t m = 0; m < rows; m++) {
             const char *src = (const char *)x + (size_t)(m0 + m) * ldx * (in_bf16 ? 2 : 4);
-            for (int64_t k = 0; k < 2 * K2; k++) {
-                const int64_t kk = k / (2 * G2) * group + k % (2 * G2); /* the input at padded position k */
-                const int in = k % (2 * G2) < group;
-                if (dp) {
-                    uint16_t *dst = (uint16_t *)((uint32_t *)xbuf + m0 * K2);
-                    dst[((k / 2) * rows + m) * 2 + (k % 2)] = in ? ((const uint16_t *)src)[kk] : 0;
-                } else {
-                    float v = 0.0f;
-                    if (in) v = in_bf16 ? bf16_value(((const uint16_t *)src)[kk]) : ((const float *)src)[kk];
-                    xbuf[m0 * K2 * 2 + ((k / 2) * rows + m) * 2 + (k % 2)] = v;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t p0 = g * G2; /* the group's first pair */
+                for (int64_t j = 0; j < 2 * G2; j++) {
+                    const int64_t p = p0 + (j >> 1), e = j & 1, kk = g * group + j;
+                    const int in = j < group;
+                    if (dp) {
+                        uint16_t *dst = (uint16_t *)((uint32_t *)xbuf + m0 * K2);
+                        dst[(p * rows + m) * 2 + e] = in ? ((const uint16_t *)src)[kk] : 0;
+                    } else {
+                        float v = 0.0f;
+                        if (in) v = in_bf16 ? bf16_value(((const uint16_t *)src)[kk]) : ((const float *)src)[kk];
+                        xbuf[m0 * K2 * 2 + (p * rows + m) * 2 + e] = v;
+                    }
                 }
             }
         }
