@@ -93,6 +93,12 @@ def test_bias_and_bf16_in_and_out(bits, group):
             assert got.dtype == BF16 and torch.equal(got, want.to(BF16)), isa  # round to nearest even
             assert torch.equal(native.qlinear(x, packed, bias, out_dtype=torch.float32), want), isa
             assert torch.equal(native.qlinear(x.float(), packed, bias, out_dtype=BF16), want.to(BF16)), isa
+    tall = torch.randn(20, 96, generator=torch.Generator().manual_seed(2)).to(BF16)  # past 12 rows: prefill tiles
+    want_tall = reference(tall, q, scales, group, bias)
+    for isa in ISAS:
+        with native.use(isa):
+            assert torch.equal(native.qlinear(tall, packed, bias, out_dtype=torch.float32), want_tall), isa
+            assert torch.equal(native.qlinear(tall, packed, bias), want_tall.to(BF16)), isa
     got = native.qlinear(x.view(5, 1, 96).expand(5, 3, 96).contiguous(), packed, bias)  # leading dims
     assert got.shape == (5, 3, 37) and torch.equal(got[:, 2], want.to(BF16))
 

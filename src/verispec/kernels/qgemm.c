@@ -220,6 +220,111 @@ INST_ALL(8)
 INST_ALL(dp4)
 #endif
 
+#if VW == 8
+/* AVX2 past 12 rows (prefills), as gemm.c's linear_k16: each 16-column block's q unpacked once into fp32 scratch
+ * [K2][2][16] (exact) with its scales [groups][16], shared by every row tile, then 6 x 16 tiles input by input in
+ * the chain's order (pair p's odd input, then its even one), the group sums s in registers and acc in memory.
+ * tile_q's pair-at-a-time body unpacks every block again for each 6 rows. Same chain: the same results. */
+static inline __attribute__((always_inline)) void qtile_k16(const int R, const float *x, int64_t G2, int64_t groups,
+                                                            const float *w, const float *sc, const float *bias,
+                                                            void *y, int64_t N, int out_bf16, int64_t n0) {
+    float acc[MR_WIDE][2][VW] __attribute__((aligned(32)));
+    _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) vstoref(acc[m][0], vzero()), vstoref(acc[m][1], vzero());
+    for (int64_t g = 0; g < groups; g++) {
+        vf s[MR_WIDE][2];
+        _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) s[m][0] = s[m][1] = vzero();
+        for (int64_t p = g * G2; p < (g + 1) * G2; p++) {
+            const float *xp = x + p * R * 2, *wp = w + p * 2 * BLOCK;
+            _Pragma("GCC unroll 2") for (int e = 1; e >= 0; e--) {
+                const vf a = vloadf(wp + e * BLOCK), b = vloadf(wp + e * BLOCK + VW);
+                _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {
+                    const vf t = vbcast(xp + 2 * m + e);
+                    s[m][0] = vfma(t, a, s[m][0]);
+                    s[m][1] = vfma(t, b, s[m][1]);
+                }
+            }
+        }
+        const vf c0 = vloadf(sc + g * BLOCK), c1 = vloadf(sc + g * BLOCK + VW);
+        _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {
+            vstoref(acc[m][0], vfma(s[m][0], c0, vloadf(acc[m][0])));
+            vstoref(acc[m][1], vfma(s[m][1], c1, vloadf(acc[m][1])));
+        }
+    }
+    const size_t elt = out_bf16 ? 2 : 4;
+    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++)
+        _Pragma("GCC unroll 6") for (int m = 0; m < R; m++)
+            store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
+}
+
+/* One block's packed stream (see the top) -> w [K2][2][16] fp32 (pair p's even input's 16 columns, then its odd
+ * input's) and sc [groups][16]. */
+static void unpack_qblock(const char *wb, int bits, int64_t G2, int64_t groups, float *w, float *sc) {
+    const int64_t pb = bits == 4 ? BLOCK : 2 * BLOCK, gbytes = G2 * pb + SCALE_BYTES;
+    for (int64_t g = 0; g < groups; g++) {
+        const char *wg = wb + g * gbytes;
+        float *wo = w + g * G2 * 2 * BLOCK;
+        if (bits == 4) {
+            for (int64_t p0 = 0; p0 < G2; p0 += 4)
+                for (int h = 0; h < 2; h++) {
+                    const vi e = vloadi(wg + p0 * pb + h * 32);
+                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                        vstoref(wo + (p0 + t) * 2 * BLOCK + h * VW, v_nib(e, t));
+                        vstoref(wo + (p0 + t) * 2 * BLOCK + BLOCK + h * VW, v_nib(e, 4 + t));
+                    }
+                }
+        } else {
+            for (int64_t p = 0; p < G2; p++)
+                for (int h = 0; h < 2; h++) {
+                    const char *wv = wg + p * pb + h * 8;
+                    vstoref(wo + p * 2 * BLOCK + h * VW, vcvt(vbytes(wv)));
+                    vstoref(wo + p * 2 * BLOCK + BLOCK + h * VW, vcvt(vbytes(wv + BLOCK)));
+                }
+        }
+        for (int h = 0; h < 2; h++) vstoref(sc + g * BLOCK + h * VW, vloadf((const float *)(wg + G2 * pb + h * 32)));
+    }
+}
+
+typedef void (*qk16_fn)(const float *x, int64_t G2, int64_t groups, const float *w, const float *sc,
+                        const float *bias, void *y, int64_t N, int ob, int64_t n0);
+#define INST_QK16(R)                                                                                               \
+    static __attribute__((noinline)) void qk16_##R(const float *x, int64_t G2, int64_t groups, const float *w,    \
+                                                   const float *sc, const float *bias, void *y, int64_t N, int ob, \
+                                                   int64_t n0) {                                                   \
+        qtile_k16(R, x, G2, groups, w, sc, bias, y, N, ob, n0);                                                    \
+    }
+INST_QK16(1) INST_QK16(2) INST_QK16(3) INST_QK16(4) INST_QK16(5) INST_QK16(6)
+static const qk16_fn qk16_table[MR_WIDE + 1] = {0, qk16_1, qk16_2, qk16_3, qk16_4, qk16_5, qk16_6};
+
+/* Rows past MR_TALL on AVX2: xbuf in chunks of 6 rows, as vs_qlinear makes it. Returns 0, or -1 if out of memory. */
+static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups, const void *wp, int bits,
+                       int64_t bstride, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, K2 = groups * G2;
+    const size_t yelt = out_bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        float *w = aligned_alloc(64, (size_t)(K2 * 2 + groups) * BLOCK * sizeof(float));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!w) continue;
+            float *sc = w + K2 * 2 * BLOCK;
+            unpack_qblock((const char *)wp + (size_t)b * bstride, bits, G2, groups, w, sc);
+            for (int64_t m0 = 0; m0 < M; m0 += MR_WIDE) {
+                const int rows = (int)(M - m0 < MR_WIDE ? M - m0 : MR_WIDE);
+                qk16_table[rows](xbuf + (size_t)m0 * K2 * 2, G2, groups, w, sc, bias,
+                                 (char *)y + (size_t)m0 * N * yelt, N, out_bf16, b * BLOCK);
+            }
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 /* x: [M, K] rows ldx elements apart, fp32 or bf16 (in_bf16); wp: packed weight (see the top) of `bits` (4, 8)
  * with `group` inputs per scale; bias: fp32 [N] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32. Tiles as
  * vs_linear's (gemm.c). Returns 0, -1 if out of memory, -2 for bits, group or K the layout cannot hold. */
@@ -265,6 +370,13 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
     }
     const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
     const int64_t bstride = groups * (G2 * (bits == 4 ? BLOCK : 2 * BLOCK) + SCALE_BYTES);
+#if VW == 8
+    if (M > MR_TALL) {
+        const int rc = qlinear_k16(xbuf, M, G2, groups, wp, bits, bstride, bias, N, y, out_bf16, threads);
+        free(xbuf);
+        return rc;
+    }
+#endif
     /* a unit starting at an AVX2 block's second half (tall tiles: one vector) starts hb bytes into each load of
      * its columns, and 32 into its scales (sxo more than hb) */
     const int64_t hb = bits == 4 ? 32 : 8, sxo = 32 - hb;
