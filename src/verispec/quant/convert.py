@@ -127,10 +127,19 @@ def quantize_checkpoint(
                 quantized[n] = quantize_rtn(w, scheme, scale_dtype)
     if model_cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    write_quantized(out, raw, state, quantized, scheme)
+    save_quantized(out, raw, state, quantized, scheme, src, summary)
+    return summary
+
+
+def save_quantized(
+    out: Path, raw_config: dict, dense: dict[str, torch.Tensor], quantized: dict, scheme: QuantScheme, src: Path,
+    summary: dict,
+) -> None:
+    """A quantized target directory: the weights (quant.format), the tokenizer files of `src` and the summary of how
+    it was made (quantization.json)."""
+    write_quantized(out, raw_config, dense, quantized, scheme)
     for pattern in COPIED:
         for f in src.glob(pattern):
             if f.is_file():
                 shutil.copy2(f, out / f.name)
     (out / "quantization.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary

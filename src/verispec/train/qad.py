@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,8 +25,7 @@ from torch import nn
 
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model import Transformer, load_model
-from verispec.quant.convert import COPIED
-from verispec.quant.format import write_quantized
+from verispec.quant.convert import save_quantized
 from verispec.quant.gptq import SITE_OF
 from verispec.quant.linear import QuantLinear
 from verispec.quant.rtn import dequantize, quantize_rtn
@@ -372,11 +370,6 @@ def save_qad(student: Transformer, init: Path, teacher_dir: Path, save_dir: Path
         dense.pop("lm_head.weight", None)
     raw = json.loads((init / "config.json").read_text())
     raw.pop("quantization_config", None)
-    write_quantized(save_dir, raw, dense, quantized, scheme)
-    for pattern in COPIED:
-        for f in teacher_dir.glob(pattern):
-            if f.is_file():
-                shutil.copy2(f, save_dir / f.name)
-    (save_dir / "quantization.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save_quantized(save_dir, raw, dense, quantized, scheme, teacher_dir, summary)
     return summary
 
