@@ -300,9 +300,11 @@ def write_report(out: Path, args: argparse.Namespace, quant_times: dict, qual: d
           "PyTorch's own int kernels at 1-16 rows on the zoo target's shapes (scripts/qgemm_cost.py); the kernel "
           "choice behind the speed tables above.", "",
           "## Not measured yet (issue 20 still asks for them)", "",
-          "- The stage-2 drafter (DSpark fine-tuned on the quantized target's continuations) and the int4 drafter: "
-          "every τ here is the bf16-trained zoo/dspark's.",
-          "- QAD (quantization-aware distillation, `verispec train qad`): not built.",
+          "- The stage-2 drafter (DSpark fine-tuned on the quantized target's continuations) and the int4 drafter "
+          "in these speed tables: every τ here is the bf16-trained zoo/dspark's (their τ alone, from a short stage "
+          "2: reports/quant/README.md's notes).",
+          "- QAD (quantization-aware distillation, `verispec train qad`) in these tables: its first, short run's "
+          "quality is in reports/quant/qad.md.",
           "- `ngram` and `model` drafters; the medium (~1,000 + 256) and long (~1,800 + 192) buckets (the bench "
           "bucket here is ~550 + 128); a measured step profile (the per-round figures above are derived from τ "
           "and the drafter's share of the decode time); PNG plots.",
