@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 import torch
+from _checkpoints import edited_copy
 from conftest import tiny_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from verispec.api import LLM
 from verispec.cli import main
@@ -211,17 +212,6 @@ def test_server_serves_a_quantized_checkpoint(quant_dir, tokenizer, tmp_path):
                                                                    GREEDY).token_ids[:16])
 
 
-def _broken(quant_dir, tmp_path, edit):
-    d = tmp_path / "bad"
-    shutil.copytree(quant_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    state = load_file(str(d / "model.safetensors"))
-    edit(cfg, state)
-    (d / "config.json").write_text(json.dumps(cfg))
-    save_file(state, str(d / "model.safetensors"))
-    return d
-
-
 NAME = "model.layers.1.mlp.down_proj"
 CASES = {
     "method": (lambda c, s: c["quantization_config"].update(quant_method="gptq"), "quant_method"),
@@ -246,7 +236,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_quantized_checkpoint_fails_with_one_error(quant_dir, tmp_path, case, capsys):
     edit, words = CASES[case]
-    d = _broken(quant_dir, tmp_path, edit)
+    d = edited_copy(quant_dir, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
         load_model(d)
     assert main(["generate", "--target", str(d), "--prompt", "x", "--drafter", "none", "--max-tokens", "2"]) == 2

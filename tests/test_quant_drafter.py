@@ -9,13 +9,13 @@ draft-model directory) load as `dspark:DIR` / `model:DIR` and keep speculation e
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from _checkpoints import edited_copy
 from conftest import TOKENIZER_TEXT, tiny_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import verispec.train.block as train_block
 import verispec.train.drafter as train_drafter_mod
@@ -233,15 +233,6 @@ def test_quantized_draft_model_loads_and_stays_exact(world, tmp_path, capsys):
                 decode(qmodel, p, GREEDY).token_ids
 
 
-def _broken_drafter(src, dst, edit) -> None:
-    shutil.copytree(src, dst)
-    meta = json.loads((dst / "config.json").read_text())
-    state = load_file(str(dst / "model.safetensors"))
-    edit(meta, state)
-    (dst / "config.json").write_text(json.dumps(meta))
-    save_file(state, str(dst / "model.safetensors"))
-
-
 BAD = {
     "scale": (lambda m, s: s.pop("layers.0.o_proj.weight_scale"), "missing tensor layers.0.o_proj.weight_scale"),
     "shape": (lambda m, s: s.update({"fc.weight_shape": torch.tensor([64, 64])}), "fc.weight_shape"),
@@ -256,7 +247,7 @@ def test_bad_quantized_drafter_fails_with_one_error(world, stage1, tmp_path, cap
     good = tmp_path / "good"
     assert main(["quantize", str(stage1), "--out", str(good), "--scheme", "w4a16", "--group-size", "32"]) == 0
     edit, words = BAD[case]
-    _broken_drafter(good, tmp_path / "bad", edit)
+    edited_copy(good, tmp_path / "bad", edit)
     capsys.readouterr()
     assert main(["generate", "--target", str(world / "w4"), "--drafter", f"dspark:{tmp_path / 'bad'}",
                  "--prompt", "def add", "--max-tokens", "2", "--dtype", "fp32"]) == 2
