@@ -154,17 +154,7 @@ static inline __attribute__((always_inline)) void tile_k16(const int R, const fl
                                                            int64_t n0) {
     vf acc[MR_WIDE][2];
     _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = vzero();
-    for (int64_t p = 0; p < K2; p++) {
-        const float *xp = x + p * R * 2, *wp = w + p * 2 * BLOCK;
-        _Pragma("GCC unroll 2") for (int e = 1; e >= 0; e--) {
-            const vf a = vloadf(wp + e * BLOCK), b = vloadf(wp + e * BLOCK + VW);
-            _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {
-                const vf s = vbcast(xp + 2 * m + e);
-                acc[m][0] = vfma(s, a, acc[m][0]);
-                acc[m][1] = vfma(s, b, acc[m][1]);
-            }
-        }
-    }
+    k16_pairs(R, x, w, 0, K2, acc);
     const size_t elt = out_bf16 ? 2 : 4;
     _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
         const vf bv = bias ? vloadf(bias + n0 + v * VW) : vzero();

@@ -233,17 +233,7 @@ static inline __attribute__((always_inline)) void qtile_k16(const int R, const f
     for (int64_t g = 0; g < groups; g++) {
         vf s[MR_WIDE][2];
         _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) s[m][0] = s[m][1] = vzero();
-        for (int64_t p = g * G2; p < (g + 1) * G2; p++) {
-            const float *xp = x + p * R * 2, *wp = w + p * 2 * BLOCK;
-            _Pragma("GCC unroll 2") for (int e = 1; e >= 0; e--) {
-                const vf a = vloadf(wp + e * BLOCK), b = vloadf(wp + e * BLOCK + VW);
-                _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {
-                    const vf t = vbcast(xp + 2 * m + e);
-                    s[m][0] = vfma(t, a, s[m][0]);
-                    s[m][1] = vfma(t, b, s[m][1]);
-                }
-            }
-        }
+        k16_pairs(R, x, w, g * G2, (g + 1) * G2, s);
         const vf c0 = vloadf(sc + g * BLOCK), c1 = vloadf(sc + g * BLOCK + VW);
         _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {
             vstoref(acc[m][0], vfma(s[m][0], c0, vloadf(acc[m][0])));

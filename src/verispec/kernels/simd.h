@@ -28,6 +28,24 @@ typedef __m256i vi;
 #endif
 
 #define BLOCK 16 /* columns per packed block */
+
+/* The prefill tiles of gemm.c and qgemm.c (AVX2, 6 x 16): pairs [p0, p1) of fp32 weights [K2][2][BLOCK] (pair p's
+ * even input's columns, then its odd input's) into acc[R][2], input by input in the chain's order (odd, then
+ * even); x is the tile's rows interleaved by pair. Two weight vectors and one broadcast live beside 12 sums. */
+static inline __attribute__((always_inline)) void k16_pairs(const int R, const float *x, const float *w, int64_t p0,
+                                                            int64_t p1, vf acc[][2]) {
+    for (int64_t p = p0; p < p1; p++) {
+        const float *xp = x + p * R * 2, *wp = w + p * 2 * BLOCK;
+        _Pragma("GCC unroll 2") for (int e = 1; e >= 0; e--) {
+            const vf a = vloadf(wp + e * BLOCK), b = vloadf(wp + e * BLOCK + VW);
+            _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {
+                const vf s = vbcast(xp + 2 * m + e);
+                acc[m][0] = vfma(s, a, acc[m][0]);
+                acc[m][1] = vfma(s, b, acc[m][1]);
+            }
+        }
+    }
+}
 #define VPB (BLOCK / VW) /* vectors per block: 1 (AVX-512) or 2 (AVX2) */
 #define MR_WIDE 6
 #define MR_TALL 12
