@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,17 +15,31 @@ from verispec.train.corpus import read_split
 
 def tokenize_split(corpus: Path, split: str, tokenizer: Tokenizer, out: Path, batch: int = 256) -> int:
     """Write out (uint16 token ids) and return its length in tokens."""
+    return write_tokens([d.text for d in read_split(corpus, split)], tokenizer, out, batch=batch)
+
+
+def write_tokens(texts: Sequence[str], tokenizer: Tokenizer, out: Path, cap: int | None = None,
+                 batch: int = 256) -> int:
+    """Texts tokenized in order, each framed by the tokenizer's <bos> and first <eos> where it has them, written to
+    out as uint16 ids (at most `cap` of them: later texts are not tokenized); returns the count written."""
     if tokenizer.vocab_size > 65535:
         raise ValueError("uint16 token files need a vocabulary below 65536")
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_ids[0]
+    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    tail = tokenizer.eos_token_ids[:1] if tokenizer.eos_token_ids else []
     chunks: list[np.ndarray] = []
-    docs = [d.text for d in read_split(corpus, split)]
-    for i in range(0, len(docs), batch):
-        for ids in tokenizer.encode_batch(docs[i : i + batch]):
-            chunks.append(np.asarray([bos, *ids, eos], dtype=np.uint16))
+    n = 0
+    for i in range(0, len(texts), batch):
+        for ids in tokenizer.encode_batch(list(texts[i : i + batch])):
+            chunks.append(np.asarray([*head, *ids, *tail], dtype=np.uint16))
+            n += chunks[-1].size
+        if cap is not None and n >= cap:
+            break
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+    tokens = tokens[:cap] if cap is not None else tokens
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokens.tofile(out)
+    tmp = out.with_name(out.name + ".tmp")
+    tokens.tofile(tmp)
+    tmp.replace(out)
     return int(tokens.size)
 
 

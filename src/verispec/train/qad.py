@@ -31,7 +31,7 @@ from verispec.quant.linear import QuantLinear
 from verispec.quant.rtn import dequantize, quantize_rtn
 from verispec.quant.scheme import QuantScheme
 from verispec.train.checkpointing import load_state, save_state
-from verispec.train.data import TokenWindows
+from verispec.train.data import TokenWindows, write_tokens
 from verispec.train.target import TrainConfig, lr_at
 
 # Config fields a resumed run may change; any other change would train a different model from the saved state.
@@ -233,23 +233,10 @@ def token_files(tokens: Path | None, teacher: Path, run_dir: Path, max_tokens: i
         return out / "train.bin", out / "val.bin", source
     log(f"tokenizing {source}")
     tok = Tokenizer.from_dir(teacher)
-    bos, eos = tok.bos_token_id, (tok.eos_token_ids or (None,))[0]
     docs = list(stdlib_documents())
     random.Random(0).shuffle(docs)
-    out.mkdir(parents=True, exist_ok=True)
     for split, cap in (("val", max_tokens // 20), ("train", max_tokens)):
-        chunks, n = [], 0
-        texts = [d.text for d in docs if split_of(d.part, d.path) == split]
-        for i in range(0, len(texts), 64):
-            for ids in tok.encode_batch(texts[i : i + 64]):
-                framed = [t for t in (bos, *ids, eos) if t is not None]
-                chunks.append(np.asarray(framed, dtype=np.uint16))
-                n += len(framed)
-            if n >= cap:
-                break
-        tmp = out / f"{split}.bin.tmp"
-        np.concatenate(chunks)[:cap].tofile(tmp)
-        tmp.replace(out / f"{split}.bin")
+        write_tokens([d.text for d in docs if split_of(d.part, d.path) == split], tok, out / f"{split}.bin", cap, 64)
     return out / "train.bin", out / "val.bin", source
 
 
