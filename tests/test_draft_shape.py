@@ -73,13 +73,21 @@ def test_decode_and_the_engine_refuse_a_tree_draft():
 
 
 class KVReader(Drafter):
-    """A self-speculative drafter that would read the target's KV cache: neither decode nor the engine lends it."""
+    """A self-speculative drafter that reads the target's KV cache: records what decode and the engine lend it."""
 
     name = "kv-reader"
     capabilities = Capabilities(reads_target_kv=True)
 
+    def __init__(self) -> None:
+        self.caches: dict[int, object] = {}
+        self.seen: list[tuple[int, int]] = []  # (cache rows, committed tokens) at each proposal
+
+    def attach_cache(self, seq_id, cache) -> None:
+        self.caches[seq_id] = cache
+
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        raise AssertionError("never asked to propose")
+        self.seen += [(self.caches[r.seq_id].length, len(r.tokens)) for r in requests]
+        return [Draft.chain([5]) for _ in requests]
 
 
 def test_capabilities_are_instance_data_and_compose():
@@ -91,12 +99,21 @@ def test_capabilities_are_instance_data_and_compose():
     assert LookupFirstDrafter(ModelDrafter(target)).capabilities == Capabilities()
 
 
-def test_decode_and_the_engine_refuse_a_drafter_that_reads_the_target_kv():
+def test_decode_and_the_engine_lend_the_target_cache_to_a_drafter_that_reads_it():
+    """The lent cache is the one the target verifies with: at every proposal it holds committed tokens only (all
+    but the anchor in decode; the engine's first round may still carry prompt rows with it)."""
     target = tiny_model()
-    with pytest.raises(ConfigError, match="KV cache"):
-        decode(target, [3, 4, 5], SamplingParams(max_tokens=4), drafter=KVReader(), spec=SpecConfig(k=2))
-    with pytest.raises(ConfigError, match="KV cache"):
-        Engine(target, None, EngineConfig(k=2, drafter="kv"), drafters={"kv": KVReader()})
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reader = KVReader()
+    out = decode(target, [3, 4, 5], params, drafter=reader, spec=SpecConfig(k=2))
+    assert len(out.token_ids) == 6 and reader.seen and all(rows == n - 1 for rows, n in reader.seen)
+    assert decode(target, [3, 4, 5], params).token_ids == out.token_ids
+    reader = KVReader()
+    engine = Engine(target, None, EngineConfig(k=2, drafter="kv"), drafters={"kv": reader})
+    engine.add_request([3, 4, 5], params)
+    engine.run_until_done()
+    assert reader.seen and all(rows <= n - 1 for rows, n in reader.seen)
+    assert reader.seen[-1][0] == reader.seen[-1][1] - 1
 
 
 def test_decode_and_the_engine_never_branch_on_a_drafter_type_or_name():

@@ -23,7 +23,7 @@ from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import check_capabilities, check_draft, verify_round
+from verispec.round import check_draft, lend_cache, verify_round
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 
@@ -118,8 +118,6 @@ def decode_stream(
     start = time.perf_counter()
     limit = min(context_limit or target.config.context_limit, target.config.context_limit)
     validate_prompt(prompt_ids, target.config.vocab_size, limit)
-    if drafter is not None:
-        check_capabilities(drafter)
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
@@ -140,6 +138,7 @@ def decode_stream(
     if drafter is not None:
         t0 = time.perf_counter()
         drafter.start(seq_id, tokens)
+        lend_cache(drafter, seq_id, cache)
         if prefill_hidden:
             drafter.observe(seq_id, 0, {k: v[0] for k, v in prefill_hidden.items()})
         stats.draft_s += time.perf_counter() - t0

@@ -12,18 +12,17 @@ from collections.abc import Sequence
 
 import torch
 
+from verispec.cache import KVCache
 from verispec.config import SamplingParams
 from verispec.drafters.base import Draft, Drafter
-from verispec.errors import ConfigError
-from verispec.sampling import greedy, probs_for, sample
-from verispec.verify import VerifyOutput, greedy_verify, rejection_verify, sample_match_verify
+from verispec.verify import VerifyOutput, greedy_verify, verify_chain
 
 
-def check_capabilities(drafter: Drafter) -> None:
-    """Raise ConfigError for a drafter that needs what a round cannot give it yet: the target's KV cache."""
+def lend_cache(drafter: Drafter, seq_id: int, cache: KVCache) -> None:
+    """Lend the target's cache for a sequence to a drafter that reads it (self-speculation), once, before the
+    prefill; the caller keeps owning it."""
     if drafter.capabilities.reads_target_kv:
-        raise ConfigError(f"drafter {type(drafter).__name__} reads the target's KV cache, which decode and the "
-                          f"engine do not lend to drafters")
+        drafter.attach_cache(seq_id, cache)
 
 
 def check_draft(draft: Draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
@@ -47,20 +46,10 @@ def verify_round(
     rule: str,  # SpecConfig.verify: "rejection" or "sample-match" (greedy requests verify greedily either way)
     generator: torch.Generator | None,  # the request's RNG (None when greedy)
 ) -> VerifyOutput:
-    """Verify one request's chain draft; an empty draft is a plain decoding step (the same draw, no bookkeeping)."""
+    """Verify one request's chain draft (verify.verify_chain); an empty draft is a plain decoding step."""
     if not draft.is_chain:
         raise ValueError("verify_round verifies chain drafts only; this draft is a tree")
-    if not draft.tokens:
-        token = greedy(logits[0]) if params.greedy else sample(probs_for(logits[0], params), generator)
-        return VerifyOutput(token.view(1, 1), torch.zeros(1, dtype=torch.long))
-    tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
-    num_draft = torch.tensor([len(draft.tokens)], device=logits.device)
-    if params.greedy:
-        return greedy_verify(tokens, num_draft, logits)
-    p = probs_for(logits, params)
-    if rule == "sample-match":
-        return sample_match_verify(tokens, num_draft, p, [generator])
-    return rejection_verify(tokens, num_draft, p, draft.probs, [generator])
+    return verify_chain(logits, draft.tokens, draft.probs, params, rule, generator)
 
 
 def verify_batch(

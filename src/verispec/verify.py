@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.sampling import greedy, sample
+from verispec.config import SamplingParams
+from verispec.sampling import greedy, probs_for, sample
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -226,3 +227,25 @@ def _tree_depth(parents: list[int]) -> int:
     for p in parents:
         depth.append(1 + (depth[p] if p >= 0 else 0))
     return max(depth, default=0)
+
+
+def verify_chain(
+    logits: torch.Tensor,  # [k+1, V] the verifier's logits at the anchor and each draft token
+    tokens: list[int],  # [k] the draft
+    probs: torch.Tensor | None,  # [k, V] the q each token was drawn from; None = point masses
+    params: SamplingParams,
+    rule: str,  # "rejection" or "sample-match" (greedy requests verify greedily either way)
+    generator: torch.Generator | None,  # the request's RNG (None when greedy)
+) -> VerifyOutput:
+    """Verify one request's chain draft with its rule; an empty draft is a plain decoding step (the same draw)."""
+    if not tokens:
+        token = greedy(logits[0]) if params.greedy else sample(probs_for(logits[0], params), generator)
+        return VerifyOutput(token.view(1, 1), torch.zeros(1, dtype=torch.long))
+    draft = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    num_draft = torch.tensor([len(tokens)], device=logits.device)
+    if params.greedy:
+        return greedy_verify(draft, num_draft, logits)
+    p = probs_for(logits, params)
+    if rule == "sample-match":
+        return sample_match_verify(draft, num_draft, p, [generator])
+    return rejection_verify(draft, num_draft, p, probs, [generator])

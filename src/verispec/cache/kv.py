@@ -4,6 +4,10 @@ All sequences in one cache share one length (the reference loop runs one sequenc
 cache per slot or a paged cache). Rolling back rejected draft tokens is `truncate(n)`: the stale entries stay
 in memory and are overwritten by the next forward, exactly like a position-indexed static cache. A tree round
 keeps its accepted path instead: `compact(indices)` keeps the given rows of the last forward, in order.
+
+A compressed cache (cache/compress.py) holds fewer rows than positions: every row keeps the key it was computed
+with at its own RoPE position, and `next_position` (rows + `position_offset`, the positions dropped so far) is where
+the next token goes, while attention masks count rows.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # committed entries; positions [0, length) are valid
         self.round_start = 0  # where the last forward's entries begin (see compact)
+        self.position_offset = 0  # positions dropped before the last row (evicted); 0 for a full cache
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_len: int | None = None, batch: int = 1) -> KVCache:
@@ -54,6 +59,11 @@ class KVCache:
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    @property
+    def next_position(self) -> int:
+        """The RoPE position of the next entry: the row count, plus the positions a compressed cache dropped."""
+        return self.length + self.position_offset
 
     def advance(self, num_new: int) -> None:
         self.round_start = self.length
@@ -105,6 +115,46 @@ class KVCache:
             self.v[:, :, :, :keep] = self.v[:, :, :, n : self.length].clone()
             self.length = keep
             self.round_start = max(0, self.round_start - n)
+            self.position_offset += n
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:  # [L, B, Hkv, T, D] entries computed elsewhere
+        """Commit T entries another forward computed (a compressed view copying its full cache's new rows)."""
+        end = self.length + k.shape[3]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.max_len}")
+        self.k[:, :, :, self.length : end] = k
+        self.v[:, :, :, self.length : end] = v
+        self.round_start, self.length = self.length, end
+
+    def evict(self, start: int, n: int) -> None:
+        """Drop committed rows start..start+n-1 (the rows after them move up); their positions stay dropped, so
+        `next_position` does not change."""
+        if not (0 <= start and 0 <= n and start + n <= self.length):
+            raise ValueError(f"cannot evict rows {start}..{start + n - 1} of a cache of length {self.length}")
+        if n:
+            tail = slice(start + n, self.length)
+            keep = self.length - start - n
+            self.k[:, :, :, start : start + keep] = self.k[:, :, :, tail].clone()
+            self.v[:, :, :, start : start + keep] = self.v[:, :, :, tail].clone()
+            self.length -= n
+            self.position_offset += n
+            self.round_start = min(self.round_start, self.length)
+
+    def select(self, start: int, index: torch.Tensor) -> None:  # index [L, B, Hkv, m] rows in [start, length)
+        """Keep, per layer, sequence and KV head, the m given committed rows (ascending) of those from `start` on,
+        moved to rows start..start+m-1: score-based eviction keeps different positions in each head. Rows before
+        `start` stay; `next_position` does not change."""
+        m = index.shape[-1]
+        if index.shape[:3] != self.k.shape[:3] or not start + m <= self.length:
+            raise ValueError(f"cannot select {tuple(index.shape)} rows from {start} of a cache of length "
+                             f"{self.length} shaped {tuple(self.k.shape)}")
+        at = index[..., None].expand(*index.shape, self.k.shape[-1])
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            t[:, :, :, start : start + m] = torch.gather(t[:, :, :, : self.length], 3, at)
+        self.position_offset += self.length - start - m
+        self.length = start + m
+        self.round_start = min(self.round_start, self.length)
 
     @property
     def nbytes(self) -> int:

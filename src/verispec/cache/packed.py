@@ -71,7 +71,8 @@ class PackedBatch:
 
     def positions(self, device: torch.device) -> torch.Tensor:  # [N]
         return torch.cat([
-            torch.arange(s.cache.length, s.cache.length + s.length, device=device) for s in self.segments
+            torch.arange(s.cache.next_position, s.cache.next_position + s.length, device=device)
+            for s in self.segments
         ])
 
     def advance(self) -> None:

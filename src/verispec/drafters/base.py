@@ -15,7 +15,9 @@ from typing import ClassVar
 
 import torch
 
+from verispec.cache import KVCache
 from verispec.config import SamplingParams
+from verispec.drafters.spec import parse_spec
 from verispec.errors import ConfigError
 
 
@@ -119,6 +121,11 @@ class Drafter(ABC):
     def start(self, seq_id: int, prompt: list[int]) -> None:
         """A sequence begins (its prompt is `prompt`)."""
 
+    def attach_cache(self, seq_id: int, cache: KVCache) -> None:
+        """The target's cache for this sequence, lent read-only to a drafter whose capabilities say
+        `reads_target_kv` (after `start`, before the prefill): its rows [0, cache.length) are the committed tokens
+        whose keys and values the target has computed, and it never holds a draft when `propose` runs."""
+
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         """The target computed hidden states {layer: [T, d]} (`capabilities.hidden_layers`) for committed
         positions start..start+T-1 outside a verification round (the prefill)."""
@@ -129,6 +136,12 @@ class Drafter(ABC):
 
     def accept(self, result: Verified) -> None:
         """Verification of this sequence's last draft is done; roll back anything past the committed prefix."""
+
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        """The sequence's committed tokens were cut back to its first `num_tokens` (this drafter drafts inside
+        another one, whose own verification rejected what this one's rounds committed): forget what lies past
+        them. Target hidden states for positions from num_tokens - 1 on come again through `observe`. A no-op for
+        drafters that keep no state per position (ngram); the others override it."""
 
     def finish(self, seq_id: int) -> None:
         """The sequence ended (finished or aborted): free its state."""
@@ -143,12 +156,14 @@ DrafterFactory = Callable[..., Drafter]
 DRAFTERS: dict[str, DrafterFactory] = {}
 # name -> f(zoo_dir) giving the spec the benchmark runs for this drafter (None: nothing to run, e.g. no weights)
 BENCH_SPECS: dict[str, Callable[[Path], str | None]] = {}
+STRUCTURED: set[str] = set()  # drafters whose factories take `options` (structured specs)
 
 
 def register_drafter(
-    name: str, bench_spec: Callable[[Path], str | None] | None = None
+    name: str, bench_spec: Callable[[Path], str | None] | None = None, structured: bool = False
 ) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a factory `f(arg: str | None, *, target, dtype, device) -> Drafter` under `name`.
+    """Register a factory `f(arg: str | None, *, target, dtype, device) -> Drafter` under `name`; with `structured`
+    it also takes `options: dict[str, str]` from a structured spec `name(key=value, ...)` (drafters.spec).
 
     `bench_spec` tells `verispec bench` how to run this drafter on the zoo (default: the bare name), so every
     registered drafter shows up in the benchmark without editing it.
@@ -157,16 +172,24 @@ def register_drafter(
     def deco(factory: DrafterFactory) -> DrafterFactory:
         DRAFTERS[name] = factory
         BENCH_SPECS[name] = bench_spec or (lambda zoo: name)
+        if structured:
+            STRUCTURED.add(name)
         return factory
 
     return deco
 
 
 def build_drafter(spec: str, *, target: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Drafter:
-    """`spec` is `name` or `name:argument`, e.g. `ngram`, `ngram:4` or `model:path/to/checkpoint`."""
+    """`spec` is `name`, `name:argument` (e.g. `ngram`, `ngram:4`, `model:path/to/checkpoint`) or a structured
+    `name(key=value, ...)` whose values may be specs themselves (drafters.spec)."""
     import verispec.drafters  # noqa: F401  (registers the built-in drafters)
 
-    name, _, arg = spec.partition(":")
-    if name not in DRAFTERS:
-        raise ConfigError(f"unknown drafter {name!r}; available: {', '.join(sorted(DRAFTERS))}")
-    return DRAFTERS[name](arg or None, target=target, dtype=dtype, device=device)
+    parsed = parse_spec(spec)
+    if parsed.name not in DRAFTERS:
+        raise ConfigError(f"unknown drafter {parsed.name!r}; available: {', '.join(sorted(DRAFTERS))}")
+    factory = DRAFTERS[parsed.name]
+    if parsed.name in STRUCTURED:
+        return factory(parsed.arg, target=target, dtype=dtype, device=device, options=parsed.options)
+    if parsed.options or spec.strip().endswith(")"):
+        raise ConfigError(f"drafter {parsed.name!r} takes no options: use {parsed.name} or {parsed.name}:ARG")
+    return factory(parsed.arg, target=target, dtype=dtype, device=device)

@@ -83,6 +83,16 @@ class BlockDrafter(Drafter):
         self._pending.pop(seq_id, None)  # a restarted sequence keeps nothing of its previous run
         self._ctx_start[seq_id] = 0
 
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        # The context covers positions [0, tokens - 1): cut it back to [0, num_tokens - 1).
+        self._flush(seq_id)
+        cache, end = self._ctx[seq_id], num_tokens - 1
+        if end < self._ctx_start[seq_id]:  # the window slid past it: start again from there
+            cache.truncate(0)
+            self._ctx_start[seq_id] = end
+        else:
+            cache.truncate(min(cache.length, end - self._ctx_start[seq_id]))
+
     def finish(self, seq_id: int) -> None:
         self._ctx.pop(seq_id, None)
         self._pending.pop(seq_id, None)

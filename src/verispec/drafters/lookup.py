@@ -57,6 +57,12 @@ class LookupFirstDrafter(Drafter):
     def accept(self, result: Verified) -> None:
         self.inner.accept(result)
 
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        self.inner.rollback(seq_id, num_tokens)
+
+    def attach_cache(self, seq_id: int, cache) -> None:
+        self.inner.attach_cache(seq_id, cache)
+
     def finish(self, seq_id: int) -> None:
         self.inner.finish(seq_id)
 

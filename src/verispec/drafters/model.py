@@ -36,6 +36,11 @@ class ModelDrafter(Drafter):
     def live_sequences(self) -> set[int]:
         return set(self._caches) | set(self._round_start)
 
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        cache = self._caches[seq_id]  # holds tokens it was fed; the next proposal feeds what follows them
+        cache.truncate(min(cache.length, num_tokens - 1))
+        self._round_start[seq_id] = min(self._round_start[seq_id], num_tokens)
+
     def accept(self, result: Verified) -> None:
         # The cache holds the committed tokens plus k - 1 drafted ones; drafts past the accepted prefix go.
         keep = min(self._caches[result.seq_id].length, self._round_start[result.seq_id] + result.num_accepted)

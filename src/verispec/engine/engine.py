@@ -34,7 +34,7 @@ from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, learn_from_proposals
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import check_capabilities, check_draft, verify_batch
+from verispec.round import check_draft, lend_cache, verify_batch
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 
@@ -81,8 +81,6 @@ class Engine:
         self.limit = min(context_limit or target.config.context_limit, target.config.context_limit)
         self.eos = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
         self._drafters: dict[str, Drafter] = dict(drafters or {})
-        for d in self._drafters.values():
-            check_capabilities(d)
         self._profile = profile
         self.estimator = AcceptanceEstimator(max_k=max(config.k, 16))
         self._draft_s = 0.0  # moving average of a drafting step's time (seconds)
@@ -167,7 +165,6 @@ class Engine:
     def drafter(self, spec: str) -> Drafter:
         if spec not in self._drafters:
             drafter = build_drafter(spec, target=self.target, dtype=self.target.dtype, device=self.target.device)
-            check_capabilities(drafter)
             self._drafters[spec] = drafter
         return self._drafters[spec]
 
@@ -236,6 +233,7 @@ class Engine:
             self.metrics.prompt_tokens += len(req.prompt)
             if req.drafter is not None:
                 self.drafter(req.drafter).start(req.seq_id, req.tokens)
+                lend_cache(self.drafter(req.drafter), req.seq_id, req.cache)
             self.running.append(req)
             with self._lock:  # only now: has_unfinished() never sees the request in neither place
                 self._queued -= 1

@@ -16,7 +16,9 @@
  * fixed order, whatever else is in the call: a verify step gives each token exactly what one-token steps give.
  *
  * The rows of a call are sequences back to back (vs_seq): sequence i's rows sit after its own cache's `cached`
- * entries, at positions cached .. cached + rows - 1, and attend causally to that cache only. */
+ * entries, at positions first .. first + rows - 1 (first = cached unless the cache dropped rows: a compressed
+ * cache keeps its kept keys' positions, so its next position runs ahead of its row count), and attend causally to
+ * that cache only. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,6 +63,7 @@ typedef struct {
 
 typedef struct {
     int64_t rows, cached;            /* new tokens; committed cache entries before them */
+    int64_t first;                   /* the first new token's RoPE position (>= cached) */
     float *k, *v;                    /* layer 0, kv head 0, position 0 of this sequence's cache */
     int64_t layer_stride, head_stride, capacity; /* in floats; positions are head_dim floats apart */
 } vs_seq;
@@ -152,7 +155,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
     int64_t total = 0;
     for (int64_t s = 0; s < nseq; s++) {
         if (seqs[s].rows < 0 || seqs[s].cached < 0 || seqs[s].cached + seqs[s].rows > seqs[s].capacity ||
-            seqs[s].cached + seqs[s].rows > m->max_pos)
+            seqs[s].first < seqs[s].cached || seqs[s].first + seqs[s].rows > m->max_pos)
             return -2;
         total += seqs[s].rows;
     }
@@ -185,8 +188,8 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
     }
     for (int64_t s = 0, r = 0; s < nseq; r += seqs[s].rows, s++)
         for (int64_t t = 0; t < seqs[s].rows; t++) {
-            memcpy(cs + (r + t) * 2 * D, m->cos + (seqs[s].cached + t) * D, (size_t)D * sizeof(float));
-            memcpy(cs + (r + t) * 2 * D + D, m->sin + (seqs[s].cached + t) * D, (size_t)D * sizeof(float));
+            memcpy(cs + (r + t) * 2 * D, m->cos + (seqs[s].first + t) * D, (size_t)D * sizeof(float));
+            memcpy(cs + (r + t) * 2 * D + D, m->sin + (seqs[s].first + t) * D, (size_t)D * sizeof(float));
         }
     if (hidden && hidden[0]) store_act(x, N * d, bf16, hidden[0]);
     const int par = N > 32 && threads > 1; /* a prefill's elementwise work is worth the second core */

@@ -606,7 +606,8 @@ class ModelDesc(ctypes.Structure):  # decoder.c's vs_model
 
 
 class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
-    _fields_ = [("rows", ctypes.c_int64), ("cached", ctypes.c_int64), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+    _fields_ = [("rows", ctypes.c_int64), ("cached", ctypes.c_int64), ("first", ctypes.c_int64),
+                ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("capacity", ctypes.c_int64)]
 
 
@@ -680,7 +681,7 @@ class Decoder:
     def forward(
         self,
         tokens: torch.Tensor,  # [N] int64: every sequence's new tokens, back to back
-        caches: list[tuple[torch.Tensor, torch.Tensor, int, int]],  # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows
+        caches: list[tuple],  # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows[, first position (default cached)]
         logit_rows: torch.Tensor,  # [M] int64 rows of `tokens` that need logits
         hidden_layers: tuple[int, ...] = (),  # 0 = the embedding, l = decoder layer l's output
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}, in the model's dtype
@@ -694,7 +695,8 @@ class Decoder:
         seqs = (SeqDesc * max(1, len(caches)))()
         rows = 0
         shape = (self.num_layers, self.kv_heads)
-        for i, (k, v, cached, count) in enumerate(caches):
+        for i, (k, v, cached, count, *rest) in enumerate(caches):
+            first = rest[0] if rest else cached
             for t in (k, v):
                 _cpu(t, "decoder cache")
             if (k.shape != v.shape or k.stride() != v.stride() or tuple(k.shape[:2]) != shape
@@ -703,9 +705,11 @@ class Decoder:
                                  f"{self.head_dim}] with contiguous rows, k and v in one layout")
             if cached < 0 or count < 0 or cached + count > k.shape[2]:
                 raise ValueError(f"KV cache overflow: {cached + count} positions > capacity {k.shape[2]}")
-            if cached + count > self.desc.max_pos:
-                raise ValueError(f"native decoder: position {cached + count - 1} past the RoPE table")
-            seqs[i] = SeqDesc(count, cached, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2])
+            if first < cached:
+                raise ValueError(f"native decoder: cache {i}'s first position {first} is below its {cached} rows")
+            if first + count > self.desc.max_pos:
+                raise ValueError(f"native decoder: position {first + count - 1} past the RoPE table")
+            seqs[i] = SeqDesc(count, cached, first, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2])
             rows += count
         if rows != n:
             raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")

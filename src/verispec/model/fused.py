@@ -104,7 +104,7 @@ class FusedForward:
         num_logits: int,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [B, num_logits, V], {layer: [B, T, d]}
         bsz, seqlen = tokens.shape
-        caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen) for b in range(bsz)]
+        caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position) for b in range(bsz)]
         rows = torch.arange(seqlen - num_logits, seqlen)
         if bsz > 1:
             rows = (rows[None] + seqlen * torch.arange(bsz)[:, None]).reshape(-1)
@@ -119,7 +119,8 @@ class FusedForward:
         logit_rows: torch.Tensor,  # [M]
         hidden_layers: Sequence[int],
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}
-        caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length) for s in batch.segments]
+        caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length, s.cache.next_position)
+                  for s in batch.segments]
         out = self.decoder.forward(tokens.contiguous(), caches, logit_rows.to(torch.int64).contiguous(),
                                    tuple(hidden_layers))
         batch.advance()

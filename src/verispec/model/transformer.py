@@ -111,7 +111,7 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T]
-        positions: torch.Tensor | None = None,  # [B, T]; default: cache.length + arange(T)
+        positions: torch.Tensor | None = None,  # [B, T]; default: cache.next_position + arange(T)
         cache: KVCache | None = None,
         hidden_layers: Sequence[int] = (),
         num_logits: int | None = None,
@@ -138,9 +138,10 @@ class Transformer(nn.Module):
 
     def _forward(self, tokens, positions, cache, hidden_layers, num_logits, attn_mask=None):
         bsz, seqlen = tokens.shape
-        start = cache.length if cache is not None else 0
+        start = cache.length if cache is not None else 0  # rows before the new ones (the mask's columns)
         if positions is None:
-            positions = torch.arange(start, start + seqlen, device=tokens.device).expand(bsz, seqlen)
+            first = cache.next_position if cache is not None else 0  # a compressed cache's run ahead of its rows
+            positions = torch.arange(first, first + seqlen, device=tokens.device).expand(bsz, seqlen)
         x = self.model.embed_tokens(tokens)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         causal = attn_mask is None
