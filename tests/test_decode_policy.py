@@ -34,8 +34,8 @@ def cuts(monkeypatch):
     counts = {"cut": 0, "whole": 0}
     original = _LengthPolicy.cut
 
-    def counting(self, draft):
-        out = original(self, draft)
+    def counting(self, draft, context=0):
+        out = original(self, draft, context)
         counts["cut" if len(out.tokens) < len(draft.tokens) else "whole"] += 1
         return out
 
@@ -166,3 +166,36 @@ def test_step_profile_never_gets_cheaper_with_more_tokens():
     prof = StepProfile({}, (1, 2, 4, 8), (1.0, 1.4, 1.2, 2.0), 0.0, 0)
     assert prof.step_time(4) == pytest.approx(1.4) and prof.step_time(3) == pytest.approx(1.4)
     assert prof.step_time(6) == pytest.approx(1.7)
+
+
+def test_step_time_grows_with_the_context_past_the_measured_one():
+    """The profile's context axis: attention adds (C - context) * (kv_read_s * R + kv_row_s * B) past the measured
+    context, nothing at or below it; the dspark cut reads it, so a long context makes long drafts cost more."""
+    prof = StepProfile({}, (1, 8, 16), (1.0, 1.2, 1.6), 0.0, 100, kv_read_s=0.001, kv_row_s=0.0005)
+    assert prof.step_time(8) == prof.step_time(8, context=50) == prof.step_time(8, context=100) == pytest.approx(1.2)
+    assert prof.step_time(8, context=1100) == pytest.approx(1.2 + 1000 * (0.001 + 0.0005 * 8))
+    assert prof.step_time(8, 2, context=1100) == pytest.approx(1.2 + 1000 * (0.002 + 0.0005 * 8))
+    again = StepProfile.from_json(prof.to_json())
+    assert again.step_time(16, context=600) == pytest.approx(prof.step_time(16, context=600))
+    target = tiny_model()
+    # Attention's compute per verified token dominating at 3,000 positions: fewer tokens pay there.
+    policy = _LengthPolicy(target, 4, StepProfile({}, (1, 8, 16), (1.0, 1.2, 1.6), 0.0, 100, kv_row_s=0.01))
+    draft = Draft.chain([1, 2, 3, 4], confidence=torch.full((4,), 0.9))
+    assert len(policy.cut(draft, context=100).tokens) > len(policy.cut(draft, context=3000).tokens)
+
+
+def test_measured_profile_fits_the_context_axis(monkeypatch):
+    """measure() fits kv_read_s and kv_row_s from its long-context probe: on a synthetic step cost with known
+    coefficients it recovers them (timing noise left out)."""
+    import verispec.profile as profile
+
+    def fake(target, caches, lengths, context):
+        rows = sum(lengths)
+        return 1e-3 + 1e-4 * rows + 5e-5 * (len(lengths) - 1) + context * (2e-6 * len(lengths) + 1e-7 * rows)
+
+    monkeypatch.setattr(profile, "_time_step", fake)
+    target = tiny_model(max_position_embeddings=512)
+    prof = profile.measure(target, token_counts=(1, 2, 4, 8, 16), context=8, repeats=1)
+    assert prof.kv_read_s == pytest.approx(2e-6) and prof.kv_row_s == pytest.approx(1e-7)
+    assert prof.per_request_s == pytest.approx((5e-5 * 7 + 8 * 7 * 2e-6 - 7e-4 + 7e-4) / 7, rel=1e-6)
+    assert prof.step_time(4, context=408) == pytest.approx(fake(None, [None], [4], 408), rel=1e-6)

@@ -115,6 +115,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _specs(text: str) -> list[str]:
+    """Comma-separated drafter specs; a structured spec's own commas stay inside its parentheses."""
+    from verispec.drafters.spec import split_specs
+
+    return split_specs(text)
+
+
 def _default_drafter(target: Path) -> str:
     """The zoo's fastest drafter for the zoo's own target; prompt lookup (`ngram`, any vocabulary) for another."""
     from verispec.zoo import best_drafter_spec, zoo_dir
@@ -247,7 +254,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = args.target or default_target()
     overrides = {
         "ks": tuple(int(k) for k in args.k.split(",")) if args.k else None,
-        "methods": tuple(args.methods.split(",")) if args.methods else None,
+        "methods": tuple(_specs(args.methods)) if args.methods else None,
         "policies": tuple(args.policies.split(",")) if args.policies else None,
         "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
         "prompt_files": tuple(args.prompts) or None,
@@ -289,7 +296,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from verispec.drafters import BENCH_SPECS
     from verispec.zoo import zoo_dir
 
-    drafters = tuple(args.drafters.split(",")) if args.drafters else tuple(
+    drafters = tuple(_specs(args.drafters)) if args.drafters else tuple(
         d for d in ("ngram", default_drafter_spec(), BENCH_SPECS["dspark"](zoo_dir())) if d)
     overrides = {
         "drafters": drafters, "dtype": args.dtype,
@@ -560,7 +567,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     state = build_state(args.target or default_target(), config, dtype=args.dtype, api_key=api_key,
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                        drafters=tuple(d for d in args.drafters.split(",") if d),
+                        drafters=tuple(_specs(args.drafters)),
                         limits=ServeLimits(max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.body_timeout))
     serve(state, args.host, args.port)
     return 0

@@ -70,7 +70,7 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_limit: int) 
 class _LengthPolicy:
     """SpecConfig.policy == "dspark" for one sequence: DSpark's Algorithm 1 with one request (`policies.dspark_cut`,
     the engine's rule for a step of one request). Each round verifies the draft prefix that maximises expected
-    tokens per second, tau(n) / (draft_s + step_time(n + 1)), admitting position j only while it still raises that
+    tokens per second, tau(n) / (draft_s + step_time(n + 1, context)), admitting position j only while it still raises that
     ratio: the cut at j depends on c_1..c_j alone (each c_j on the tokens before x_j), never on x_j, so sampling
     stays lossless. c_j is the drafter's confidence where it gives one, else this sequence's past acceptance at
     position j, learnt from whole proposals (`policies.learn_from_proposals`)."""
@@ -81,12 +81,14 @@ class _LengthPolicy:
         self.shadow: deque[tuple[int, list[int]]] = deque()  # proposals not yet covered by committed tokens
         self.propose_s, self.proposals = 0.0, 0  # the drafter's cost per round, as measured so far
 
-    def cut(self, draft: Draft) -> Draft:
+    def cut(self, draft: Draft, context: int = 0) -> Draft:
+        """`context`: the positions the verify step attends to (its cost grows with them)."""
         if not draft.tokens:
             return draft
         fixed_s = self.propose_s / self.proposals if self.proposals else 0.0
         conditional = policies.conditional(draft, self.estimator, "", "")
-        n = policies.dspark_cut([conditional], (), 0, lambda b: fixed_s + self.profile.step_time(b))[0]
+        n = policies.dspark_cut([conditional], (), 0,
+                                lambda b: fixed_s + self.profile.step_time(b, context=context))[0]
         return draft.truncated(n)
 
     def record(self, propose_s: float, start: int, proposed: list[int], tokens: list[int]) -> None:
@@ -155,7 +157,7 @@ def decode_stream(
                 stats.draft_s += propose_s
                 check_draft(draft, budget, target.config.vocab_size, drafter)
                 if policy is not None:
-                    draft = policy.cut(draft)
+                    draft = policy.cut(draft, n)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
             logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
             out = verify_round(logits[0], draft, params, spec.verify, generator)

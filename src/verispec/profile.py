@@ -1,8 +1,13 @@
-"""The target's step time against the number of tokens verified in one step: SPS(B) for the dspark policy.
+"""The target's step time against the number of tokens verified in one step and the context they attend to: SPS(B)
+for the dspark policy.
 
 Measured once per (model, dtype, threads, device) and cached as JSON. A step over R requests and B tokens costs
 `time(B) + (R - 1) * per_request_s`: the token cost is measured with one request, the per-request cost (one
 attention call and cache write per layer) from R requests of one token each against one request of R tokens.
+Those are measured at a short context; past it, attention adds `(C - context) * (kv_read_s * R + kv_row_s * B)`
+for requests whose caches hold C positions on average: reading each request's keys and values once per step
+(memory-bound: a one-token step at 1,900 positions reads ~30 MB on the zoo target) and scoring every verified
+token against every position (compute), fitted from one and 16 tokens at a long context.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class StepProfile:
     seconds: tuple[float, ...]  # median step time at each B (one request)
     per_request_s: float  # extra cost of each request beyond the first
     context: int  # committed tokens in each request's cache while measuring
+    kv_read_s: float = 0.0  # per request and cached position past `context` (reading its keys and values)
+    kv_row_s: float = 0.0  # per verified token and cached position past `context` (attention's compute)
 
     @functools.cached_property
     def _rising(self) -> tuple[float, ...]:
@@ -42,9 +49,15 @@ class StepProfile:
         noise. Computed once (step_time runs per draft position every round)."""
         return tuple(itertools.accumulate(self.seconds, max))
 
-    def step_time(self, tokens: int, requests: int = 1) -> float:
+    def step_time(self, tokens: int, requests: int = 1, context: float | None = None) -> float:
         """Linear interpolation between the (non-decreasing) measured points, linear extrapolation past the last
-        two."""
+        two; with `context` (the requests' mean cached positions), plus attention's cost past the measured one."""
+        extra = 0.0
+        if context is not None and context > self.context:
+            extra = (context - self.context) * (self.kv_read_s * max(requests, 1) + self.kv_row_s * tokens)
+        return self._token_time(tokens, requests) + extra
+
+    def _token_time(self, tokens: int, requests: int) -> float:
         xs, ys = self.tokens, self._rising
         if tokens <= xs[0]:
             t = ys[0]
@@ -60,7 +73,8 @@ class StepProfile:
     @staticmethod
     def from_json(text: str) -> StepProfile:
         d = json.loads(text)
-        return StepProfile(d["key"], tuple(d["tokens"]), tuple(d["seconds"]), d["per_request_s"], d["context"])
+        return StepProfile(d["key"], tuple(d["tokens"]), tuple(d["seconds"]), d["per_request_s"], d["context"],
+                           d.get("kv_read_s", 0.0), d.get("kv_row_s", 0.0))
 
 
 def profile_key(target: Transformer) -> dict:
@@ -77,7 +91,7 @@ def profile_key(target: Transformer) -> dict:
         "matmuls": target.matmuls,
         "kernels": native.isa(),  # the instruction set of the native kernels (None: torch's)
         "forward": "native" if target.fused is not None else "torch",
-        "method": 3,  # how measure() times which points (older profiles are measured again)
+        "method": 4,  # how measure() times which points (older profiles are measured again)
     }
 
 
@@ -115,28 +129,42 @@ def measure(
     then spreads over all points instead of bending the curve at a few (the dspark rule reads its slope)."""
     limit = target.config.context_limit
     token_counts = tuple(b for b in token_counts if b <= limit // 2) or (1,)
-    max_b = max(*token_counts, 8)  # 8: the per-request probe below
+    max_b = max(*token_counts, 16)  # 8 and 16: the per-request and long-context probes below
     context = max(1, min(context, limit - max_b - 1))
+    long = min(limit - 17, 1024)  # the long-context probe: attention's share of a step grows with the context
     caches = [KVCache.for_model(target, max_len=context + max_b + 1) for _ in range(8)]
     gen = torch.Generator().manual_seed(0)  # leave the global RNG alone
-    prompt = torch.randint(0, target.config.vocab_size, (1, context), generator=gen).to(target.device)
+    prompt = torch.randint(0, target.config.vocab_size, (1, max(context, long)), generator=gen).to(target.device)
     for c in caches:
-        target(prompt, cache=c, num_logits=0)
-    # Points: one request verifying B tokens, then 8 requests of one token against one request of 8.
-    points = [(caches[:1], [b]) for b in token_counts] + [(caches, [1] * 8), (caches[:1], [8])]
+        target(prompt[:, :context], cache=c, num_logits=0)
+    # Points: one request verifying B tokens, then 8 requests of one token against one request of 8, then one and
+    # 16 tokens against the long context and the short one.
+    points = [(caches[:1], [b], context) for b in token_counts] + [(caches, [1] * 8, context),
+                                                                   (caches[:1], [8], context)]
+    if long > 2 * context:
+        deep = KVCache.for_model(target, max_len=long + 17)
+        target(prompt[:, :long], cache=deep, num_logits=0)
+        points += [([deep], [1], long), ([deep], [16], long), (caches[:1], [16], context), (caches[:1], [1], context)]
     times: list[list[float]] = [[] for _ in points]
     for rep in range(repeats + 1):  # the first round warms up
-        for i, (cs, lengths) in enumerate(points):
-            t = _time_step(target, cs, lengths, context)
+        for i, (cs, lengths, ctx) in enumerate(points):
+            t = _time_step(target, cs, lengths, ctx)
             if rep:
                 times[i].append(t)
-    seconds = [statistics.median(t) for t in times[: len(token_counts)]]
+    med = [statistics.median(t) for t in times]
+    n = len(token_counts)
+    seconds = med[:n]
     if progress:
         for b, sec in zip(token_counts, seconds):
             print(f"  B={b:4d}  {sec * 1e3:8.2f} ms/step")
-    many, one = (statistics.median(t) for t in times[len(token_counts):])
-    per_request = max(0.0, (many - one) / 7)
-    return StepProfile(profile_key(target), tuple(token_counts), tuple(seconds), per_request, context)
+    per_request = max(0.0, (med[n] - med[n + 1]) / 7)
+    kv_read = kv_row = 0.0
+    if long > 2 * context:  # extra(B) = (long - context) * (kv_read + kv_row * B) at B = 1 and 16
+        one_extra, sixteen_extra = med[n + 2] - med[n + 5], med[n + 3] - med[n + 4]
+        span = long - context
+        kv_row = max(0.0, (sixteen_extra - one_extra) / (15 * span))
+        kv_read = max(0.0, one_extra / span - kv_row)
+    return StepProfile(profile_key(target), tuple(token_counts), tuple(seconds), per_request, context, kv_read, kv_row)
 
 
 def load_or_measure(target: Transformer, progress: bool = False, refresh: bool = False) -> StepProfile:

@@ -43,6 +43,12 @@ def parse_spec(spec: str) -> DrafterSpec:
     return DrafterSpec(name, None, options)
 
 
+def split_specs(text: str) -> list[str]:
+    """A comma-separated list of drafter specs (`--methods ngram,vericache(budget=128,draft=ngram)`), split at
+    the commas outside parentheses."""
+    return [part.strip() for part in _split_top(text, text) if part.strip()]
+
+
 def _split_top(body: str, spec: str) -> list[str]:
     """`body` split at commas outside parentheses (empty body: no parts)."""
     parts, depth, start = [], 0, 0

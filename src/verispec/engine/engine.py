@@ -351,9 +351,11 @@ class Engine:
         fixed = [(len(r.draft.tokens), self._conditional(r)) for r in rounds if r not in sched]
         requests = len(rounds) + (1 if prefill_tokens else 0)
         prof, draft_s = self.profile, self._draft_s
-        # A step's time is the drafting it already spent plus the target's forward: what the tokens it commits cost.
+        # A step's time is the drafting it already spent plus the target's forward: what the tokens it commits cost,
+        # at the context its requests attend to (attention's share grows with it).
+        context = sum(len(r.req.tokens) for r in rounds) / len(rounds)
         lengths = dspark_cut([self._conditional(r) for r in sched], fixed, prefill_tokens,
-                             lambda b: draft_s + prof.step_time(b, requests))
+                             lambda b: draft_s + prof.step_time(b, requests, context))
         for rnd, n in zip(sched, lengths):
             rnd.req.last_verified = n
             rnd.draft = rnd.draft.truncated(n)
