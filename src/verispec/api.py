@@ -38,6 +38,7 @@ class LLM:
         device: str | torch.device = "cpu",
         tokenizer: Tokenizer | str | Path | None = None,
         context_limit: int | None = None,
+        kv_tier: str | None = None,
     ) -> None:
         if isinstance(target, Transformer):
             self.target = target
@@ -52,7 +53,7 @@ class LLM:
         if isinstance(drafter, str):
             drafter = build_drafter(drafter, target=self.target, dtype=self.target.dtype, device=self.target.device)
         self.drafter = drafter
-        self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify, policy=policy)
+        self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify, policy=policy, kv_tier=kv_tier)
         self.context_limit = context_limit
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -67,7 +68,7 @@ class LLM:
     def _kwargs(self, plain: bool) -> dict:
         return dict(
             drafter=None if plain else self.drafter,
-            spec=SpecConfig(k=0) if plain else self.spec,
+            spec=SpecConfig(k=0, kv_tier=self.spec.kv_tier) if plain else self.spec,
             tokenizer=self.tokenizer,
             context_limit=self.context_limit,
         )

@@ -22,10 +22,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=Path, default=None,
                    help="target checkpoint directory, Hugging Face layout (default: the zoo's target)")
     p.add_argument("--drafter", default=None,
-                   help="ngram | ngram:MAX_N | model:DIR | model (self-draft) | dspark:DIR | lookup:SPEC | none "
-                        "(plain decoding); default: with the zoo's target, the zoo's fastest drafter "
-                        "(lookup:dspark:zoo/dspark, else ngram), with any other target ngram")
+                   help="ngram | ngram:MAX_N | model:DIR | model (self-draft) | dspark:DIR | lookup:SPEC | "
+                        "vericache(compress=..., budget=..., draft=SPEC) | none (plain decoding); default: with the "
+                        "zoo's target, the zoo's fastest drafter (lookup:dspark:zoo/dspark, else ngram), with any "
+                        "other target ngram")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (the most, with --policy dspark)")
+    p.add_argument("--kv-tier", default=None,
+                   help="keep the target's KV cache on this device between forwards and swap it in for each "
+                        "(e.g. cpu: host memory when the model runs on CUDA); default: beside the model")
     p.add_argument("--verify", default="auto", choices=["auto", "rejection", "sample-match"])
     p.add_argument("--policy", default=SpecConfig.policy, choices=list(DECODE_POLICIES),
                    help="fixed: verify every draft token; dspark: verify the prefix DSpark's rule picks from the "
@@ -72,7 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = args.target or default_target()
     drafter = args.drafter or _default_drafter(target)
     llm = LLM(target, drafter=None if drafter == "none" else drafter, k=args.k,
-              verify=args.verify, policy=args.policy, dtype=args.dtype)
+              verify=args.verify, policy=args.policy, dtype=args.dtype, kv_tier=args.kv_tier)
     if args.compare and llm.drafter is None:
         raise VerispecError("--compare needs a drafter (it compares speculative with plain decoding)")
     if not args.json:

@@ -215,14 +215,23 @@ class SpecConfig:
     # fixed: verify every drafted token. dspark: verify the prefix DSpark's Algorithm 1 picks from the drafter's
     # confidences (or past acceptance) against the target's measured step time (verispec.policies).
     policy: str = "fixed"
+    # Where the target's full KV cache lives between forwards: None = beside the model; a device (e.g. "cpu")
+    # keeps it there and swaps it in for each forward (cache.TieredKVCache, VeriCache's host-memory tier).
+    kv_tier: str | None = None
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"k must be >= 0, got {self.k}")
+        _check_tier(self.kv_tier)
         if self.verify not in VERIFY_RULES:
             raise ConfigError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
         if self.policy not in DECODE_POLICIES:
             raise ConfigError(f"policy must be one of {DECODE_POLICIES}, got {self.policy!r}")
+
+
+def _check_tier(tier: str | None) -> None:
+    if tier is not None and tier.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"kv_tier must be a device such as 'cpu' (or None), got {tier!r}")
 
 
 POLICIES = ("off", "fixed", "batch-table", "dspark")
@@ -242,8 +251,10 @@ class EngineConfig:
     k: int = 4  # the draft length for `fixed`; the most any policy verifies per request
     batch_table: tuple[tuple[int, int], ...] = DEFAULT_BATCH_TABLE
     drafter: str | None = "ngram"  # the default drafter spec; None: no drafting unless a request names one
+    kv_tier: str | None = None  # SpecConfig.kv_tier for every request's cache
 
     def __post_init__(self) -> None:
+        _check_tier(self.kv_tier)
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("max_running", "max_queued", "cache_budget_tokens", "prefill_chunk"):

@@ -127,14 +127,16 @@ def decode_stream(
     stats = SpecStats()
     policy = _LengthPolicy(target, spec.k, profile) if drafter is not None and spec.policy == "dspark" else None
     # Room for the prompt, every output token and one round's draft: no need to zero the whole context.
-    cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1))
+    cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1),
+                              tier=spec.kv_tier)
     hidden_layers = drafter.capabilities.hidden_layers if drafter else ()
     device = target.device
     prefill_hidden: dict[int, torch.Tensor] = {}
     if len(prompt_ids) > 1:
         t0 = time.perf_counter()
-        _, prefill_hidden = target(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, num_logits=0,
-                                   hidden_layers=hidden_layers)
+        with cache.resident():
+            _, prefill_hidden = target(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, num_logits=0,
+                                       hidden_layers=hidden_layers)
         stats.prefill_s = time.perf_counter() - t0
     tokens = list(prompt_ids)
     if drafter is not None:
@@ -150,6 +152,7 @@ def decode_stream(
             # Never draft past max_tokens or the context: the bonus token needs room too.
             budget = min(spec.k, params.max_tokens - len(stopper.output) - 1, limit - n - 1)
             draft, proposed, propose_s = EMPTY_DRAFT, EMPTY_DRAFT, 0.0
+            cache.prefetch()  # a tiered cache's copy-in overlaps the drafting
             if drafter is not None and budget > 0:
                 t0 = time.perf_counter()
                 draft = proposed = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
@@ -159,7 +162,8 @@ def decode_stream(
                 if policy is not None:
                     draft = policy.cut(draft, n)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
-            logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
+            with cache.resident():
+                logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
             out = verify_round(logits[0], draft, params, spec.verify, generator)
             num_accepted = int(out.num_accepted[0])
             cache.truncate(n + num_accepted)

@@ -12,7 +12,8 @@ the next token goes, while attention masks count rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -38,16 +39,26 @@ class KVCache:
         self.position_offset = 0  # positions dropped before the last row (evicted); 0 for a full cache
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_len: int | None = None, batch: int = 1) -> KVCache:
+    def for_model(cls, model: torch.nn.Module, max_len: int | None = None, batch: int = 1,
+                  tier: str | None = None) -> KVCache:
+        """A cache for `model`'s forwards; with `tier` (a device, e.g. "cpu"), a TieredKVCache kept there."""
         cfg = model.config
         param = next(model.parameters())
         # bf16 attention on CPU is several times slower than fp32 (one query over 400 keys: 340 vs 45 us), so
         # a bf16 model on CPU keeps its cache, and computes attention, in fp32.
         dtype = torch.float32 if param.dtype == torch.bfloat16 and param.device.type == "cpu" else param.dtype
-        return cls(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-            max_len or cfg.context_limit, batch=batch, dtype=dtype, device=param.device,
-        )
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len or cfg.context_limit)
+        if tier is not None:
+            return TieredKVCache(*shape, batch=batch, dtype=dtype, device=param.device, tier=tier)
+        return cls(*shape, batch=batch, dtype=dtype, device=param.device)
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Where the cache must be on the compute device for a forward (TieredKVCache); here it always is."""
+        yield
+
+    def prefetch(self) -> None:
+        """Start bringing the cache to the compute device before a forward (TieredKVCache); here a no-op."""
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor  # [B, Hkv, T, D] for positions length..length+T
@@ -159,3 +170,69 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+class TieredKVCache(KVCache):
+    """A full cache whose committed rows live in a slower tier between forwards (VeriCache keeps the full KV in host
+    memory and swaps it in to verify): `store` sits on `tier` (pinned host memory when the model runs on CUDA), and a
+    forward runs inside `resident()`, which brings the committed rows to the compute device (started early by
+    `prefetch`, on a side stream under CUDA, so the copy overlaps drafting), then writes the forward's new rows back
+    and frees the working copy. Outside a forward `k`/`v` are the store, which is what a drafter reading the target's
+    cache (a compressed view's sync) copies from. On the CPU the tier is a parameter: the same swap path runs, each
+    forward copying in and out of host memory."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, *, batch: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tier: torch.device | str = "cpu") -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, max_len, batch=batch, dtype=dtype, device=tier)
+        self.compute_device = torch.device(device)
+        if self.compute_device.type == "cuda" and torch.device(tier).type == "cpu":
+            self.k, self.v = self.k.pin_memory(), self.v.pin_memory()
+        self.store = (self.k, self.v)
+        self._working: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ready = None  # the side stream's event for an in-flight prefetch (CUDA)
+        self.swaps = {"fetches": 0, "bytes_in": 0, "bytes_out": 0}
+
+    def prefetch(self) -> None:
+        """Start copying the committed rows to the compute device (a no-op if a copy is already there)."""
+        if self._working is not None:
+            return
+        k, v = self.store
+        work = tuple(torch.empty(t.shape, dtype=t.dtype, device=self.compute_device) for t in (k, v))
+        rows = slice(0, self.length)
+        cuda = self.compute_device.type == "cuda"
+        stream = torch.cuda.Stream(self.compute_device) if cuda else None
+        with torch.cuda.stream(stream) if cuda else nullcontext():
+            for dst, src in zip(work, (k, v)):
+                dst[:, :, :, rows].copy_(src[:, :, :, rows], non_blocking=cuda)
+        if cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record(stream)
+        self._working = work
+        self.swaps["fetches"] += 1
+        self.swaps["bytes_in"] += 2 * k[:, :, :, rows].numel() * k.element_size()
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """The committed rows on the compute device for one forward; its new rows go back to the store after it."""
+        self.prefetch()
+        if self._ready is not None:
+            torch.cuda.current_stream(self.compute_device).wait_event(self._ready)
+            self._ready = None
+        start = self.length
+        self.k, self.v = self._working
+        try:
+            yield
+        finally:
+            rows = slice(start, self.length)
+            for dst, src in zip(self.store, self._working):
+                dst[:, :, :, rows].copy_(src[:, :, :, rows])
+            self.swaps["bytes_out"] += 2 * self.store[0][:, :, :, rows].numel() * self.store[0].element_size()
+            self.k, self.v = self.store
+            self._working = None
+
+    def reserve(self, max_len: int) -> None:
+        if self._working is not None:
+            raise RuntimeError("cannot grow a tiered cache while it is resident")
+        super().reserve(max_len)
+        self.store = (self.k, self.v)

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -227,7 +228,7 @@ class Engine:
             if self.reserved_tokens + req.reserved > self.config.cache_budget_tokens:
                 return
             self.waiting.popleft()
-            req.cache = KVCache.for_model(self.target, max_len=req.reserved)
+            req.cache = KVCache.for_model(self.target, max_len=req.reserved, tier=self.config.kv_tier)
             self.reserved_tokens += req.reserved
             req.started = time.perf_counter()
             self.metrics.prompt_tokens += len(req.prompt)
@@ -281,6 +282,8 @@ class Engine:
             elif chunk_left > 0:
                 prefill.append((req, chunk_left))
                 chunk_left = 0
+        for req in self.running:  # tiered caches start their copy-in while the drafters run
+            req.cache.prefetch()
         t0 = time.perf_counter()
         rounds = self._draft(decoding)
         elapsed = time.perf_counter() - t0
@@ -309,11 +312,14 @@ class Engine:
         device = self.target.device
         users = [r for r in self.running if r.drafter is not None]
         hidden_layers = sorted({layer for r in users for layer in self.drafter(r.drafter).capabilities.hidden_layers})
-        batch = PackedBatch.build(caches, lengths, device)
-        logits, hidden = self.target.forward_packed(
-            torch.tensor(tokens, device=device), batch, torch.tensor(logit_rows, dtype=torch.long, device=device),
-            hidden_layers,
-        )
+        with ExitStack() as resident:
+            for c in caches:
+                resident.enter_context(c.resident())
+            batch = PackedBatch.build(caches, lengths, device)
+            logits, hidden = self.target.forward_packed(
+                torch.tensor(tokens, device=device), batch, torch.tensor(logit_rows, dtype=torch.long, device=device),
+                hidden_layers,
+            )
         for req, pos, row, n in observed:
             if req.drafter is not None and hidden:
                 self.drafter(req.drafter).observe(req.seq_id, pos, {k: h[row : row + n] for k, h in hidden.items()})
