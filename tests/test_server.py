@@ -155,7 +155,8 @@ def draft_ckpt(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def srv(ckpt):
     config = EngineConfig(max_running=8, max_queued=32, cache_budget_tokens=8192, drafter="ngram", k=4)
-    state = build_state(ckpt, config, dtype="fp32", api_key=KEY, drafters=("ngram:2", "model"))
+    state = build_state(ckpt, config, dtype="fp32", api_key=KEY,
+                        drafters=("ngram:2", "model", "vericache(compress=streaming, budget=12, draft=ngram)"))
     with running(state) as s:
         yield s
 
@@ -354,7 +355,7 @@ def test_max_tokens_exact(srv, n):
 
 @pytest.mark.parametrize("speculation", [
     {"method": "ngram", "k": 4}, "off", {"k": "auto"}, {"method": "ngram:2", "k": 1}, {"method": "model", "k": 2},
-    {"k": 0},
+    {"k": 0}, {"method": "vericache", "k": 8},
 ])
 def test_per_request_speculation_is_lossless(srv, model, ckpt, speculation):
     """A1 through the API: per-request speculation settings all give the plain greedy text."""

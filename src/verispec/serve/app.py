@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import RequestSpec, SamplingParams
+from verispec.drafters.spec import parse_spec
 from verispec.engine.async_engine import AsyncEngine
 from verispec.errors import QueueFull, VerispecError
 from verispec.model.tokenizer import Tokenizer
@@ -75,10 +76,10 @@ class ServerState:
     def resolve_drafter(self, requested: str | None) -> str | None:
         if requested in (None, "none") or requested in self.drafters:
             return requested
-        named = [d for d in self.drafters if d.partition(":")[0] == requested]
+        named = [d for d in self.drafters if parse_spec(d).name == requested]
         if len(named) == 1:
             return named[0]
-        enabled = ", ".join(sorted({d.partition(":")[0] for d in self.drafters})) or "none"
+        enabled = ", ".join(sorted({parse_spec(d).name for d in self.drafters})) or "none"
         raise APIError(400, f"the requested drafter is not enabled on this server (enabled: {enabled}; start the "
                             "server with --drafters to enable more)", param="speculation")
 
