@@ -12,8 +12,8 @@ tokens are this drafter's proposal. The inner drafter hears every inner round an
 verification kept (`Drafter.rollback`), so no special case lives in decode or the engine.
 
 Horizon: `horizon=adaptive` picks each round's length N to maximise expected committed tokens per second,
-E(N) / (N * draft_s + verify_s(N + 1)), with E(N) = sum_{j<=N} a^j for the per-token acceptance a learnt from
-recent rounds, the drafting cost per token measured here, and the verify cost measured as the time between a
+E(N) / (sync_s + N * draft_s + verify_s(N + 1)), with E(N) = sum_{j<=N} a^j for the per-token acceptance a learnt
+from recent rounds, the view's sync and the drafting cost per token measured here, and the verify cost measured as the time between a
 proposal and its verification's result (a linear fit in the rows verified, refit as the context grows). N grows
 while rounds are fully accepted and shrinks after early rejections; `horizon=fixed` drafts the whole budget.
 """
@@ -35,7 +35,7 @@ from verispec.drafters.base import (
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.transformer import Transformer
-from verispec.sampling import probs_for
+from verispec.sampling import greedy, probs_for
 from verispec.verify import verify_chain
 
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -58,8 +58,12 @@ class Horizon:
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    sync_s: float = 0.0  # the view's sync per drafting round (moving average; a retrieval view's rebuild)
     rounds: int = 0
     probe_every: int = 8  # a round that chose not to draft drafts anyway this often, to keep measuring
+
+    def record_sync(self, seconds: float) -> None:
+        self.sync_s = seconds if not self.sync_s else self.decay * self.sync_s + (1 - self.decay) * seconds
 
     def record(self, proposed: int, accepted: int, draft_s: float, verify_s: float | None) -> None:
         self.rounds += 1
@@ -96,7 +100,7 @@ class Horizon:
         a = min(self.acceptance, 0.999)
 
         def rate(n: int) -> float:
-            return (1 - a ** (n + 1)) / (1 - a) / (n * self.draft_s + self.verify_s(n + 1))
+            return (1 - a ** (n + 1)) / (1 - a) / ((n > 0) * self.sync_s + n * self.draft_s + self.verify_s(n + 1))
 
         best = max(range(1, budget + 1), key=rate)
         if rate(best) < rate(0) and self.rounds % self.probe_every:
@@ -214,13 +218,19 @@ class VeriCacheDrafter(Drafter):
         queries = None
         if seq.view.compressor.needs_queries and seq.queries:
             queries = self._queries(seq, getattr(seq.view.compressor, "window", 8))
+        synced = seq.view.synced
         seq.view.sync(queries)
+        t1 = time.perf_counter()
+        if synced:  # the first sync copies the prompt once: not a cost of every round
+            seq.horizon.record_sync(t1 - t0)
         view = seq.view.cache
         base = view.length
         pending = r.tokens[view.next_position :]  # committed tokens the view lacks (at least the anchor)
         ctx = list(r.tokens)
         out: list[int] = []
         rows: list[torch.Tensor] = []
+        layers = tuple(sorted(self._inner_layers))
+        device = self.model.device
         while len(out) < n:
             room = n - len(out)
             inner = EMPTY_DRAFT
@@ -228,13 +238,15 @@ class VeriCacheDrafter(Drafter):
                 inner = self.inner.propose([DraftRequest(r.seq_id, ctx, min(self.inner_k, room - 1), r.params,
                                                          r.generator)])[0]
             k = len(inner.tokens)
-            inp = torch.tensor([pending + inner.tokens], device=self.model.device)
-            logits, hidden = self.model(inp, cache=view, hidden_layers=tuple(sorted(self._inner_layers)),
-                                        num_logits=k + 1)
-            res = verify_chain(logits[0], inner.tokens, inner.probs, r.params, self.rule, r.generator)
-            a = int(res.num_accepted[0])
-            committed = res.rows()[0]
-            view.truncate(view.length - k + a)
+            logits, hidden = self.model(torch.tensor([pending + inner.tokens], device=device), cache=view,
+                                        hidden_layers=layers, num_logits=k + 1)
+            if not k and r.params.greedy:  # a plain step of the compressed model: no verification to run
+                a, committed = 0, [int(greedy(logits[0, 0]))]
+            else:
+                res = verify_chain(logits[0], inner.tokens, inner.probs, r.params, self.rule, r.generator)
+                a = int(res.num_accepted[0])
+                committed = res.rows()[0]
+                view.truncate(view.length - k + a)
             if not r.params.greedy:
                 rows.append(probs_for(logits[0, : a + 1], r.params))
             out += committed
@@ -247,7 +259,7 @@ class VeriCacheDrafter(Drafter):
         view.truncate(base)  # the drafted rows go: the full cache's rows replace them at the next sync
         out = out[:n]
         probs = torch.cat(rows)[:n] if rows else None
-        seq.proposed, seq.draft_s, seq.proposed_at = n, time.perf_counter() - t0, time.perf_counter()
+        seq.proposed, seq.draft_s, seq.proposed_at = n, time.perf_counter() - t1, time.perf_counter()
         self.stats["rounds"] += 1
         self.stats["drafted"] += n
         return Draft.chain(out, probs)
