@@ -392,7 +392,7 @@ def test_composed_keeps_the_quantized_row_count_across_evictions(evictor, slack)
 
 def test_composed_snapkv_kivi_when_the_prompt_fits_its_budget():
     """The same invariant when the prompt fits the budget, so KIVI quantizes rows before SnapKV's first selection:
-    here the queries pick positions 0, 2, 4, 6, 7 (quantized) and 8 (not yet: the quantized rows are 0..7), and
+    here the queries pick positions 0, 2, 4, 6, 7 and 8; KIVI must wait for that selection (it moves rows), and
     afterwards the quantized rows must still be exactly the first quantized_rows ones."""
     group, residual = 4, 3
     comp = Composed(SnapKV(keep=6, recent=8, window=4, pool=1), KIVI(bits=4, group=group, residual=residual))
@@ -406,8 +406,10 @@ def test_composed_snapkv_kivi_when_the_prompt_fits_its_budget():
         full.append(k[:, :, :, start : start + n].clone(), v[:, :, :, start : start + n].clone())
         view.sync(queries)
         cache, q = view.cache, comp.quantizer.quantized_rows
-        if full.length == 17:  # the first selection: rows hold positions 0 2 4 6 7 8 | 9..16, and 8 is exact
-            assert torch.equal(cache.v[:, :, :, 5], v[:, :, :, 8])
+        if full.length < 17:  # the prompt fits: KIVI waits for SnapKV's selection, which would move its rows
+            assert q == 0
+        if full.length == 17:  # the first selection: rows hold positions 0 2 4 6 7 8 | 9..16, quantized after it
+            assert q == 8 and torch.equal(cache.v[:, :, :, 8], v[:, :, :, 11])
         for layer in range(L):
             for head in range(H):
                 ref = full.v[layer, 0, head, : full.length]
@@ -443,7 +445,7 @@ def test_make_compressor_splits_budgets():
     ("kivi", 16, {"sinks": "2"}, "sinks"),
     ("snapkv", 16, {"pool": "4"}, "pool"),
     ("kivi", 16, {"bits": "3"}, "bits"),
-    ("snapkv", 8, {}, "keep"),  # the default window of 16 recent positions does not fit 8
+    ("snapkv", 8, {}, "budget of 8 tokens leaves no room"),  # the default window of 16 recent positions
     ("streaming", 16, {"sinks": "16"}, "recent"),
     ("streaming", 16, {"sinks": "x"}, "sinks"),
     ("kivi", 16, {"group": "4.5"}, "group"),

@@ -233,9 +233,10 @@ def test_engine_never_prefills_the_prompt_twice(chunk, target, plain):
 
 
 def test_engine_samples_from_the_target(stat_models):
-    """N seeded requests through one engine, 250 at a time, k=1 and 4 tokens each: the first round's draft is
-    decided in the step that prefills the prompt, the second round's x3 by a draft over the compressed view (2 rows
-    of 6); the pairwise test of test_exactness passes on (x1, x2) and (x2, x3)."""
+    """N seeded requests through one engine, 250 at a time, k=1 and 4 tokens each: the step that prefills the
+    prompt drafts nothing (the view syncs from the cached prompt; the engine never lets it prefill again), later
+    rounds draft over the compressed view (2 rows of 6); the pairwise test of test_exactness passes on (x1, x2) and
+    (x2, x3)."""
     target, _ = stat_models
     n = 2000
     engine = Engine(target, None, EngineConfig(k=1, drafter="vc", max_running=250, max_queued=n), drafters={
@@ -246,7 +247,7 @@ def test_engine_samples_from_the_target(stat_models):
     samples = np.array([results[str(i)].token_ids[:3] for i in range(n)])
     assert failures(samples, exact_pair_joints(target, S_PROMPT, S_PARAMS)) == []
     m = engine.metrics
-    assert m.num_drafts >= 2 * n * 0.9 and m.num_accepted_tokens < m.num_draft_tokens  # compressed drafts rejected
+    assert m.num_drafts >= n * 0.9 and m.num_accepted_tokens < m.num_draft_tokens  # compressed drafts rejected
     engine.check_idle()
 
 

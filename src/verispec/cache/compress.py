@@ -50,6 +50,11 @@ class Compressor(ABC):
         return False
 
     @property
+    def query_window(self) -> int:
+        """How many of the last positions' queries it scores with (0: none)."""
+        return getattr(self, "window", 0)
+
+    @property
     def rebuilds(self) -> bool:
         """Whether each sync refills the view from the whole full cache (`rebuild`) instead of appending to it."""
         return False
@@ -273,9 +278,15 @@ class Composed(Compressor):
     def needs_queries(self) -> bool:
         return self.evictor.needs_queries
 
+    @property
+    def query_window(self) -> int:
+        return self.evictor.query_window
+
     def compress(self, view: KVCache, queries: QueryFn | None) -> None:
         before = view.position_offset
         self.evictor.compress(view, queries)
+        if self.evictor.needs_queries:  # SnapKV has not chosen its rows yet: its selection will move them
+            return
         dropped = view.position_offset - before
         if dropped:
             # Evictors drop the rows right after the ones they always keep (sinks, selected): those rows were
@@ -298,6 +309,7 @@ class CompressedView:
         self.cache = KVCache(layers, heads, dim, compressor.budget + headroom, dtype=full.k.dtype,
                              device=full.k.device)
         self.synced = 0  # positions of the full cache copied so far
+        self.headroom = headroom
 
     def sync(self, queries: QueryFn | None = None) -> None:
         """Copy the full cache's committed rows past `synced` (in chunks of at most the headroom), compressing."""
@@ -309,16 +321,17 @@ class CompressedView:
                 self.compressor.rebuild(full, view, queries)
                 self.synced = full.length
             return
-        room = view.max_len - self.compressor.budget
+        room = self.headroom
         while self.synced < full.length:
             n = min(full.length - self.synced, room)
             rows = slice(self.synced, self.synced + n)
+            view.reserve(view.length + n)  # a compressor that keeps every position (KIVI alone) grows the view
             view.append(full.k[:, :1, :, rows], full.v[:, :1, :, rows])
             self.synced += n
             # SnapKV scores the prompt with its last queries: compress once the whole prompt is in.
             if self.synced == full.length or not self.compressor.needs_queries:
                 self.compressor.compress(view, queries)
-            elif view.length + room > view.max_len:
+            else:
                 view.reserve(view.length + room)  # keep the prompt whole until it is scored
         if view.next_position != self.synced:
             raise AssertionError(f"compressed view at position {view.next_position}, synced {self.synced}")
@@ -333,10 +346,21 @@ def budget_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
     return nbytes // (num_layers * num_kv_heads * head_dim * dtype_bytes * 2)
 
 
+def _room_for(name: str, budget: int, recent: int) -> None:
+    if budget < recent:
+        raise ConfigError(f"a {name} budget of {budget} tokens leaves no room to select beside its {recent} recent "
+                          f"ones: give a larger budget (or a smaller recent=)")
+
+
 def make_compressor(name: str, budget: int, **options: str) -> Compressor:
     """`streaming`, `snapkv`, `kivi` or `EVICTOR+kivi` at a budget in tokens (the recent/selected split, bits and
     groups from `options`, their defaults otherwise)."""
-    opts = {k: int(v) for k, v in options.items()}
+    opts = {}
+    for key, value in options.items():
+        try:
+            opts[key] = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"compressor option {key}={value!r}: expected an integer") from None
 
     def take(*names: str) -> dict[str, int]:
         return {n: opts.pop(n) for n in names if n in opts}
@@ -350,6 +374,7 @@ def make_compressor(name: str, budget: int, **options: str) -> Compressor:
         if evict_name == "retrieval":
             o = take("recent", "window", "pool")
             recent = o.pop("recent", max(min(64, budget // 4), o.get("window", 8)))
+            _room_for(evict_name, budget, recent)
             comp = Retrieval(keep=budget - recent, recent=recent, **o)
         elif evict_name == "streaming":
             o = take("sinks", "slack")
@@ -358,6 +383,7 @@ def make_compressor(name: str, budget: int, **options: str) -> Compressor:
         elif evict_name == "snapkv":
             o = take("recent", "window", "pool", "slack")
             recent = o.pop("recent", max(min(64, budget // 4), o.get("window", 16)))
+            _room_for(evict_name, budget, recent)
             comp = SnapKV(keep=budget - recent, recent=recent, **o)
         else:
             raise ConfigError(f"unknown KV compressor {name!r}; available: streaming, snapkv, retrieval, kivi, "

@@ -159,6 +159,8 @@ class KVCache:
         if index.shape[:3] != self.k.shape[:3] or not start + m <= self.length:
             raise ValueError(f"cannot select {tuple(index.shape)} rows from {start} of a cache of length "
                              f"{self.length} shaped {tuple(self.k.shape)}")
+        if m and (int(index.min()) < start or int(index.max()) >= self.length or (index.diff(dim=-1) <= 0).any()):
+            raise ValueError(f"select needs ascending rows in [{start}, {self.length}) per head")
         at = index[..., None].expand(*index.shape, self.k.shape[-1])
         for name in ("k", "v"):
             t = getattr(self, name)

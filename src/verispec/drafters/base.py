@@ -190,6 +190,6 @@ def build_drafter(spec: str, *, target: torch.nn.Module, dtype: torch.dtype, dev
     factory = DRAFTERS[parsed.name]
     if parsed.name in STRUCTURED:
         return factory(parsed.arg, target=target, dtype=dtype, device=device, options=parsed.options)
-    if parsed.options or spec.strip().endswith(")"):
+    if parsed.options or (parsed.arg is None and spec.strip().endswith(")")):
         raise ConfigError(f"drafter {parsed.name!r} takes no options: use {parsed.name} or {parsed.name}:ARG")
     return factory(parsed.arg, target=target, dtype=dtype, device=device)

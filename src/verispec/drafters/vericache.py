@@ -217,7 +217,7 @@ class VeriCacheDrafter(Drafter):
             return EMPTY_DRAFT
         queries = None
         if seq.view.compressor.needs_queries and seq.queries:
-            queries = self._queries(seq, getattr(seq.view.compressor, "window", 8))
+            queries = self._queries(seq, seq.view.compressor.query_window)
         synced = seq.view.synced
         seq.view.sync(queries)
         t1 = time.perf_counter()
@@ -226,6 +226,7 @@ class VeriCacheDrafter(Drafter):
         view = seq.view.cache
         base = view.length
         pending = r.tokens[view.next_position :]  # committed tokens the view lacks (at least the anchor)
+        view.reserve(base + len(pending) + n + self.inner_k + 1)
         ctx = list(r.tokens)
         out: list[int] = []
         rows: list[torch.Tensor] = []
@@ -347,4 +348,7 @@ def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: 
         if inner_spec.partition(":")[0].partition("(")[0].strip() == "vericache":
             raise ConfigError("vericache cannot draft for itself (draft=vericache...)")
         inner = build_drafter(inner_spec, target=target, dtype=dtype, device=device)
+        if inner.capabilities.reads_target_kv:
+            raise ConfigError(f"vericache draft={inner_spec}: the inner drafter reads the target's KV cache, which "
+                              f"only the outer drafter is lent (a compressed-KV drafter cannot nest inside one)")
     return VeriCacheDrafter(model, compressor, inner, inner_k, adaptive=horizon == "adaptive")

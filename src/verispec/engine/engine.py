@@ -333,8 +333,8 @@ class Engine:
         for req in decoding:
             budget = self._budget(req, len(decoding))
             needs = self.drafter(req.drafter).capabilities if req.drafter is not None else None
-            if len(req.pending) > 1 and needs is not None and needs.hidden_layers:
-                budget = 0  # its context (the prompt's hidden states) arrives with this very forward
+            if len(req.pending) > 1 and needs is not None and (needs.hidden_layers or needs.reads_target_kv):
+                budget = 0  # its context (the prompt's hidden states or KV rows) arrives with this very forward
             if req.drafter is not None and budget > 0:
                 by_drafter.setdefault(req.drafter, []).append(
                     DraftRequest(req.seq_id, req.tokens, budget, req.params, req.generator))
