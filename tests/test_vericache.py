@@ -579,3 +579,15 @@ def test_horizon_verify_cost_fit():
     flat.record(0, 0, 0.0, 0.02)
     flat.record(4, 4, 0.001, 0.01)  # noise: more rows measured cheaper; never a negative slope
     assert flat.verify_s(20) == pytest.approx(0.015) and flat.verify_s(1) == pytest.approx(0.015)
+
+
+def test_a_byte_budget_is_the_tokens_whose_keys_and_values_fit():
+    target = tiny_model()
+    cfg = target.config
+    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 2  # fp32 keys and values
+    d = build_drafter(f"vericache(compress=streaming, budget_bytes={per_token * 24 + per_token // 2})", target=target,
+                      dtype=target.dtype, device=target.device)
+    assert d.budget == 24
+    with pytest.raises(ConfigError, match="not both"):
+        build_drafter(f"vericache(budget=8, budget_bytes={per_token * 24})", target=target, dtype=target.dtype,
+                      device=target.device)

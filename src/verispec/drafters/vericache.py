@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.cache import KVCache
-from verispec.cache.compress import CompressedView, Compressor, make_compressor
+from verispec.cache.compress import CompressedView, Compressor, budget_bytes, make_compressor
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, build_drafter, register_drafter,
 )
@@ -317,15 +317,23 @@ COMPRESSOR_OPTIONS = ("sinks", "recent", "window", "pool", "slack", "bits", "gro
 @register_drafter("vericache", structured=True)
 def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
            options: dict[str, str] | None = None) -> VeriCacheDrafter:
-    """`vericache`, `vericache:COMPRESSOR[:BUDGET]`, or structured: `vericache(compress=streaming, budget=256,
-    draft=SPEC, inner_k=8, weights=DIR, horizon=adaptive|fixed, sinks=.., recent=.., bits=.., ...)`."""
+    """`vericache`, `vericache:COMPRESSOR[:BUDGET]`, or structured: `vericache(compress=streaming, budget=256 (tokens)
+    or budget_bytes=N (what that many bytes of uncompressed KV hold), draft=SPEC, inner_k=8, weights=DIR,
+    horizon=adaptive|fixed, sinks=.., recent=.., bits=.., ...)`."""
     opts = dict(options or {})
     if arg:
         name, _, budget = arg.partition(":")
         opts.setdefault("compress", name)
         if budget:
             opts.setdefault("budget", budget)
-    compressor = {"name": opts.pop("compress", "streaming"), "budget": _int(opts, "budget", 256)}
+    budget = _int(opts, "budget", 256)
+    if "budget_bytes" in opts:  # a byte budget: the tokens whose uncompressed keys and values fit in it
+        if "budget" in (options or {}) or (arg and ":" in arg):
+            raise ConfigError("vericache takes budget (tokens) or budget_bytes, not both")
+        cfg = target.config
+        budget = budget_bytes(_int(opts, "budget_bytes", 0), cfg.num_hidden_layers, cfg.num_key_value_heads,
+                              cfg.head_dim, 4 if target.device.type == "cpu" else torch.finfo(dtype).bits // 8)
+    compressor = {"name": opts.pop("compress", "streaming"), "budget": budget}
     for key in COMPRESSOR_OPTIONS:
         if key in opts:
             compressor[key] = opts.pop(key)
@@ -337,8 +345,8 @@ def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: 
     inner_k = _int(opts, "inner_k", 8)
     inner_spec, weights = opts.pop("draft", None), opts.pop("weights", None)
     if opts:
-        raise ConfigError(f"vericache takes no option {sorted(opts)[0]!r}; options: compress, budget, draft, inner_k, "
-                          f"weights, horizon, {', '.join(COMPRESSOR_OPTIONS)}")
+        raise ConfigError(f"vericache takes no option {sorted(opts)[0]!r}; options: compress, budget, budget_bytes, "
+                          f"draft, inner_k, weights, horizon, {', '.join(COMPRESSOR_OPTIONS)}")
     model = target
     if weights is not None:
         model = load_model(weights, dtype=dtype, device=device)

@@ -1,0 +1,241 @@
+"""Issue 23's report: VeriCache on the zoo target over the long-context prompts, written to reports/vericache/.
+
+    python scripts/vericache_report.py --prompts 4 --repeats 3 --out reports/vericache
+
+1. Step costs against context length (the speed model's inputs): a forward of 1..33 rows after 64..1,900 cached
+   positions, for the bf16 target and its int4 (w4a16 g32 RTN) copy, medians of 21.
+2. Acceptance (greedy, fixed horizon 32): mean accepted run per round and per-position acceptance for each
+   compressor x budget x prompt length, drafting with the target's own weights (and its int4 copy for snapkv), and
+   the compressed view's memory against the full cache's at the end of each run (greedy: timing-free, so
+   `--skip acceptance` keeps the last run's rows).
+3. Speed (bf16 target, greedy, 192 new tokens): plain, the best single drafters (dspark, lookup:dspark, k=8) and
+   vericache alone and composed (k=32, adaptive horizon unless named fixed), arms interleaved per prompt, medians
+   over repeats, end to end (prefill included) and per output token; every output checked against plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.bench.prompts import load_task
+from verispec.cache import KVCache
+from verispec.config import SamplingParams, SpecConfig
+from verispec.decode import decode
+from verispec.drafters import build_drafter
+from verispec.model.checkpoint import load_model
+from verispec.model.tokenizer import Tokenizer
+from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET, DSPARK = ROOT / "zoo/target", ROOT / "zoo/dspark"
+COMPRESSORS = ("streaming", "snapkv", "retrieval", "snapkv+kivi")
+BUDGETS = (64, 128, 256, 512)
+
+
+def int4_copy(cache: Path) -> Path:
+    out = cache / "w4a16-g32"
+    if not (out / "quantization.json").is_file():
+        quantize_checkpoint(TARGET, out, QuantizeConfig(scheme="w4a16", group_size=32), progress=False)
+    return out
+
+
+def step_costs(int4: Path) -> dict:
+    toks = torch.randint(3, 8000, (1, 2048), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, path in (("bf16", TARGET), ("w4a16", int4)):
+        m = load_model(path, dtype="bf16")
+        for ctx in (64, 256, 512, 1000, 1500, 1900):
+            c = KVCache.for_model(m, 2048)
+            with torch.inference_mode():
+                m(toks[:, :ctx], cache=c, num_logits=0)
+                for rows in (1, 2, 4, 8, 9, 17, 33):
+                    ts = []
+                    for _ in range(23):
+                        t0 = time.perf_counter()
+                        m(toks[:, ctx : ctx + rows], cache=c)
+                        ts.append(time.perf_counter() - t0)
+                        c.truncate(ctx)
+                    out[f"{name}/{ctx}/{rows}"] = statistics.median(ts[2:]) * 1e3
+        print("step costs", name, "done", flush=True)
+    return out
+
+
+def run(target, ids, spec: str | None, k: int, max_tokens: int):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    drafter = build_drafter(spec, target=target, dtype=target.dtype, device=target.device) if spec else None
+    memory = []
+    if drafter is not None and hasattr(drafter, "memory"):  # the view's size just before the sequence ends
+        finish = drafter.finish
+        drafter.finish = lambda seq_id: (memory.append(drafter.memory(seq_id)), finish(seq_id))
+    t0 = time.perf_counter()
+    res = decode(target, ids, params, drafter=drafter, spec=SpecConfig(k=k) if drafter else SpecConfig())
+    return res, time.perf_counter() - t0, (memory[0] if memory else None)
+
+
+def acceptance(target, prompts, int4: Path, max_tokens: int) -> list[dict]:
+    rows = []
+    configs = [(c, b, None) for c in COMPRESSORS for b in BUDGETS] + [("snapkv", b, int4) for b in BUDGETS]
+    for comp, budget, weights in configs:
+        w = f",weights={weights}" if weights else ""
+        spec = f"vericache(compress={comp},budget={budget},horizon=fixed{w})"
+        for p in prompts:
+            res, _, mem = run(target, p["ids"], spec, 32, max_tokens)
+            s = res.stats
+            rows.append({"compress": comp, "budget": budget, "weights": "w4a16" if weights else "bf16",
+                         "bucket": p["length_bucket"], "prompt": p["id"], "rounds": s.num_rounds,
+                         "drafts": s.num_drafts, "accepted": s.num_accepted_tokens,
+                         "per_pos": list(s.accepted_per_pos), "view_bytes": mem[0], "full_bytes": mem[1]})
+        print("acceptance", spec, flush=True)
+    return rows
+
+
+def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[list[dict], dict]:
+    vc = "vericache(compress=snapkv,budget=256"
+    arms = {
+        "plain": (None, 0),
+        "dspark": (f"dspark:{DSPARK}", 8),
+        "lookup:dspark": (f"lookup:dspark:{DSPARK}", 8),
+        "vericache snapkv-256": (vc + ")", 32),
+        "vericache snapkv-256 int4": (vc + f",weights={int4})", 32),
+        "vericache snapkv-256 int4 fixed-8": (vc + f",weights={int4},horizon=fixed)", 8),
+        "vericache retrieval-256 int4": (f"vericache(compress=retrieval,budget=256,weights={int4})", 32),
+        "vericache snapkv-256 int4 + lookup:dspark": (vc + f",weights={int4},draft=lookup:dspark:{DSPARK})", 32),
+    }
+    for spec, k in arms.values():  # warm-up: kernel libraries built and loaded, step profiles measured
+        run(target, prompts[0]["ids"], spec, k, 8)
+    rows = []
+    for p in prompts:
+        plain_ids = None
+        for r in range(repeats):
+            for arm, (spec, k) in arms.items():
+                res, secs, _ = run(target, p["ids"], spec, k, max_tokens)
+                if arm == "plain":
+                    plain_ids = plain_ids or res.token_ids
+                rows.append({"arm": arm, "bucket": p["length_bucket"], "prompt": p["id"], "repeat": r,
+                             "e2e_s": secs, "prefill_s": res.stats.prefill_s, "tokens": len(res.token_ids),
+                             "tau": res.stats.tau, "equal": res.token_ids == plain_ids})
+        print("speed", p["id"], flush=True)
+    return rows, {a: s for a, (s, _) in arms.items()}
+
+
+def summarize(rows_acc, rows_speed, costs, specs, args) -> str:
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
+    flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
+    isa = " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    out = ["# VeriCache on the zoo target (issue 23)", "",
+           f"Machine: {model}, {torch.get_num_threads()} threads, flags `{isa}`; torch {torch.__version__}, "
+           f"Python {platform.python_version()}. Command: `python scripts/vericache_report.py --prompts "
+           f"{args.prompts} --repeats {args.repeats} --max-tokens {args.max_tokens} --out {args.out}`.", ""]
+    out += ["## Step costs against context length (ms, one forward of R rows after C cached positions)", "",
+            "| weights | C | " + " | ".join(f"R={r}" for r in (1, 2, 4, 8, 9, 17, 33)) + " |",
+            "|---|---|" + "---|" * 7]
+    for name in ("bf16", "w4a16"):
+        for ctx in (64, 256, 512, 1000, 1500, 1900):
+            out.append(f"| {name} | {ctx} | " + " | ".join(f"{costs[f'{name}/{ctx}/{r}']:.2f}"
+                                                         for r in (1, 2, 4, 8, 9, 17, 33)) + " |")
+    out += ["", "## Acceptance (greedy, horizon fixed at 32)", "",
+            "Mean accepted run = accepted draft tokens per round (the bonus token not counted); pos1 = share of "
+            "rounds whose first drafted token was accepted; memory = the view's bytes in its storage format / the "
+            "full cache's, at the end of the run.", "",
+            "| compressor | budget | weights | bucket | mean accepted run | pos1 | memory |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["compress"], r["budget"], r["weights"], r["bucket"]) for r in rows_acc},
+                  key=lambda t: (t[2], t[0], t[1], t[3]))
+    for comp, budget, w, bucket in keys:
+        sel = [r for r in rows_acc if (r["compress"], r["budget"], r["weights"], r["bucket"]) == (comp, budget, w, bucket)]
+        drafts = max(1, sum(r["drafts"] for r in sel))
+        acc = sum(r["accepted"] for r in sel) / drafts
+        pos1 = sum(r["per_pos"][0] if r["per_pos"] else 0 for r in sel) / drafts
+        mem = statistics.mean(r["view_bytes"] / r["full_bytes"] for r in sel)
+        out.append(f"| {comp} | {budget} | {w} | {bucket} | {acc:.2f} | {pos1:.2f} | {mem:.2f} |")
+    out += ["", "## Speed (bf16 target, greedy, median over repeats per prompt, then median over prompts)", "",
+            "| arm | bucket | e2e speedup vs plain | per-token speedup vs plain | tau | outputs equal |",
+            "|---|---|---|---|---|---|"]
+    for arm in specs:
+        for bucket in sorted({r["bucket"] for r in rows_speed}):
+            e2e, tok, taus, eq = [], [], [], True
+            for pid in sorted({r["prompt"] for r in rows_speed if r["bucket"] == bucket}):
+                def med(a: str, key) -> float:
+                    return statistics.median(key(r) for r in rows_speed if r["arm"] == a and r["prompt"] == pid)
+                e2e.append(med("plain", lambda r: r["e2e_s"]) / med(arm, lambda r: r["e2e_s"]))
+                tok.append(med("plain", lambda r: r["e2e_s"] - r["prefill_s"]) /
+                           med(arm, lambda r: r["e2e_s"] - r["prefill_s"]))
+                taus.append(med(arm, lambda r: r["tau"]))
+                eq = eq and all(r["equal"] for r in rows_speed if r["arm"] == arm and r["prompt"] == pid)
+            out.append(f"| {arm} | {bucket} | {statistics.median(e2e):.2f}x | {statistics.median(tok):.2f}x | "
+                       f"{statistics.median(taus):.2f} | {'yes' if eq else 'NO'} |")
+    out += ["", "Specs: " + "; ".join(f"`{a}` = `{s}`" for a, s in specs.items() if s).replace(str(ROOT) + "/", "")]
+    return "\n".join(out) + "\n"
+
+
+def plots(rows_acc, costs, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ctxs = (64, 256, 512, 1000, 1500, 1900)
+    for name in ("bf16", "w4a16"):
+        for rows in (1, 17):
+            ax.plot(ctxs, [costs[f"{name}/{c}/{rows}"] for c in ctxs], marker="o", label=f"{name}, {rows} rows")
+    ax.set_xlabel("cached positions"), ax.set_ylabel("forward (ms)"), ax.legend(), ax.grid(alpha=0.3)
+    fig.tight_layout(), fig.savefig(out / "step_cost.png", dpi=120), plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    big = max(r["bucket"] for r in rows_acc)
+    for comp in COMPRESSORS:
+        for w in ("bf16", "w4a16"):
+            sel = [r for r in rows_acc if r["compress"] == comp and r["weights"] == w and r["bucket"] == big]
+            if not sel:
+                continue
+            ys = [sum(r["accepted"] for r in sel if r["budget"] == b) / max(1, sum(r["drafts"] for r in sel
+                                                                                  if r["budget"] == b)) for b in BUDGETS]
+            ax.plot(BUDGETS, ys, marker="o", label=f"{comp} ({w})")
+    ax.axhline(12, color="grey", ls="--", label="goal: 12")
+    ax.set_xscale("log", base=2), ax.set_xlabel("budget (tokens)"), ax.set_ylabel("mean accepted run")
+    ax.set_title(f"~{big}-token prompts"), ax.legend(fontsize=7), ax.grid(alpha=0.3)
+    fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=120), plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per length bucket")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "reports/vericache")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: costs, acceptance, speed")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    int4 = int4_copy(ROOT / ".cache/quant")
+    tok = Tokenizer.from_dir(TARGET)
+    prompts = []
+    for bucket in (1000, 1500, 1900):
+        for rec in [r for r in load_task("long_context") if r["length_bucket"] == bucket][: args.prompts]:
+            prompts.append({**rec, "ids": tok.encode(rec["prompt"])})
+    target = load_model(TARGET, dtype="bf16")
+    raw = args.out / "raw.json"
+    data = json.loads(raw.read_text()) if raw.is_file() else {}
+    if "costs" not in skip:
+        data["costs"] = step_costs(int4)
+    if "acceptance" not in skip:
+        data["acceptance"] = acceptance(target, prompts, int4, args.max_tokens)
+    if "speed" not in skip:
+        data["speed"], data["specs"] = speed(target, prompts, int4, args.repeats, args.max_tokens)
+    raw.write_text(json.dumps(data))
+    (args.out / "summary.md").write_text(summarize(data["acceptance"], data["speed"], data["costs"], data["specs"], args))
+    plots(data["acceptance"], data["costs"], args.out)
+    print((args.out / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
