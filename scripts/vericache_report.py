@@ -97,6 +97,21 @@ def acceptance(target, prompts, int4: Path, max_tokens: int) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
+def margins(target, prompts, max_tokens: int) -> list[dict]:
+    """How decided the target is over its own greedy continuation: the mean top-1 probability and the share of
+    positions whose top-2 margin is under 0.1 (where a lossy view's small perturbation flips the argmax)."""
+    rows = []
+    for p in prompts:
+        res, _, _ = run(target, p["ids"], None, 0, max_tokens)
+        seq = torch.tensor([p["ids"] + res.token_ids[:-1]])
+        logits, _ = target(seq, num_logits=len(res.token_ids))
+        top = logits[0].float().softmax(-1).topk(2, dim=-1).values  # [n, 2]
+        rows.append({"bucket": p["length_bucket"], "prompt": p["id"], "top1": float(top[:, 0].mean()),
+                     "close": float(((top[:, 0] - top[:, 1]) < 0.1).float().mean())})
+    return rows
+
+
 def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[list[dict], dict]:
     vc = "vericache(compress=snapkv,budget=256"
     arms = {
@@ -126,7 +141,7 @@ def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[l
     return rows, {a: s for a, (s, _) in arms.items()}
 
 
-def summarize(rows_acc, rows_speed, costs, specs, args) -> str:
+def summarize(rows_acc, rows_speed, costs, specs, args, margins=()) -> str:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
@@ -156,6 +171,13 @@ def summarize(rows_acc, rows_speed, costs, specs, args) -> str:
         pos1 = sum(r["per_pos"][0] if r["per_pos"] else 0 for r in sel) / drafts
         mem = statistics.mean(r["view_bytes"] / r["full_bytes"] for r in sel)
         out.append(f"| {comp} | {budget} | {w} | {bucket} | {acc:.2f} | {pos1:.2f} | {mem:.2f} |")
+    if margins:
+        out += ["", "## How decided the target is over its own continuation (bf16, greedy)", "",
+                "| bucket | mean top-1 probability | positions with top-2 margin < 0.1 |", "|---|---|---|"]
+        for bucket in sorted({m["bucket"] for m in margins}):
+            sel = [m for m in margins if m["bucket"] == bucket]
+            out.append(f"| {bucket} | {statistics.mean(m['top1'] for m in sel):.3f} | "
+                       f"{statistics.mean(m['close'] for m in sel):.3f} |")
     out += ["", "## Speed (bf16 target, greedy, median over repeats per prompt, then median over prompts)", "",
             "| arm | bucket | e2e speedup vs plain | per-token speedup vs plain | tau | outputs equal |",
             "|---|---|---|---|---|---|"]
@@ -211,7 +233,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "reports/vericache")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: costs, acceptance, speed")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated sections to skip (their rows from the last run's raw.json are kept): "
+                         "costs, acceptance, margins, speed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -229,10 +253,13 @@ def main() -> None:
         data["costs"] = step_costs(int4)
     if "acceptance" not in skip:
         data["acceptance"] = acceptance(target, prompts, int4, args.max_tokens)
+    if "margins" not in skip:
+        data["margins"] = margins(target, prompts, args.max_tokens)
     if "speed" not in skip:
         data["speed"], data["specs"] = speed(target, prompts, int4, args.repeats, args.max_tokens)
     raw.write_text(json.dumps(data))
-    (args.out / "summary.md").write_text(summarize(data["acceptance"], data["speed"], data["costs"], data["specs"], args))
+    (args.out / "summary.md").write_text(summarize(data["acceptance"], data["speed"], data["costs"], data["specs"], args,
+                                                   data.get("margins", ())))
     plots(data["acceptance"], data["costs"], args.out)
     print((args.out / "summary.md").read_text())
 

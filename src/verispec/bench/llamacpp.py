@@ -332,9 +332,10 @@ def build_arms(target: Path, arms: tuple[str, ...], n_ctx: int, threads: int, dr
                cache: Path | None = None) -> dict[str, PlainArm | BinaryArm]:
     """Each named arm ready to generate (GGUF files converted, binaries found), before any timing."""
     parsed = {a: parse_arm(a) for a in arms}
+    import_llama_cpp()  # the binding (every arm tokenizes with it), then the binaries: fail before converting
     for kind, _ in parsed.values():
         if kind in BINARIES:
-            binary(kind)  # fail before converting anything
+            binary(kind)
     vocab = Vocab(gguf_file(target, "bf16", cache))
     draft_gguf = gguf_file(draft, "bf16", cache) if draft is not None and any(
         k == "speculative" for k, _ in parsed.values()) else None
