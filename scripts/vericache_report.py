@@ -3,7 +3,7 @@
     python scripts/vericache_report.py --prompts 4 --repeats 3 --out reports/vericache
 
 1. Step costs against context length (the speed model's inputs): a forward of 1..33 rows after 64..1,900 cached
-   positions, for the bf16 target and its int4 (w4a16 g32 RTN) copy, medians of 21.
+   positions, for the bf16 target and its int4 (w4a16 g32 RTN) copy, medians of 31 (row counts interleaved).
 2. Acceptance (greedy, fixed horizon 32): mean accepted run per round and per-position acceptance for each
    compressor x budget x prompt length, drafting with the target's own weights (and its int4 copy for snapkv), and
    the compressed view's memory against the full cache's at the end of each run (greedy: timing-free, so
@@ -48,22 +48,26 @@ def int4_copy(cache: Path) -> Path:
 
 
 def step_costs(int4: Path) -> dict:
+    """Median of 31 forwards per cell; the row counts are interleaved within each repeat so that a slow spell of
+    the host spreads over every cell of a context instead of landing on one."""
     toks = torch.randint(3, 8000, (1, 2048), generator=torch.Generator().manual_seed(0))
+    rows_swept = (1, 2, 4, 8, 9, 17, 33)
     out = {}
     for name, path in (("bf16", TARGET), ("w4a16", int4)):
         m = load_model(path, dtype="bf16")
         for ctx in (64, 256, 512, 1000, 1500, 1900):
             c = KVCache.for_model(m, 2048)
+            ts: dict[int, list[float]] = {r: [] for r in rows_swept}
             with torch.inference_mode():
                 m(toks[:, :ctx], cache=c, num_logits=0)
-                for rows in (1, 2, 4, 8, 9, 17, 33):
-                    ts = []
-                    for _ in range(23):
+                for _ in range(33):
+                    for rows in rows_swept:
                         t0 = time.perf_counter()
                         m(toks[:, ctx : ctx + rows], cache=c)
-                        ts.append(time.perf_counter() - t0)
+                        ts[rows].append(time.perf_counter() - t0)
                         c.truncate(ctx)
-                    out[f"{name}/{ctx}/{rows}"] = statistics.median(ts[2:]) * 1e3
+            for rows in rows_swept:
+                out[f"{name}/{ctx}/{rows}"] = statistics.median(ts[rows][2:]) * 1e3
         print("step costs", name, "done", flush=True)
     return out
 
@@ -112,6 +116,27 @@ def margins(target, prompts, max_tokens: int) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
+def positions(target, prompts, window: int = 256, short: int = 768) -> list[dict]:
+    """Is the target worse far from the start? Teacher-forced loss of each prompt's last `window` tokens given the
+    whole prompt before them, against only the `short` tokens before them (so every position stays under the
+    1,024-token windows the zoo target was trained on). More context should never raise the loss of a model that
+    generalises to those positions."""
+    rows = []
+    for p in prompts:
+        ids = torch.tensor([p["ids"]])
+        n = ids.shape[1]
+        out = {"bucket": p["length_bucket"], "prompt": p["id"], "tokens": n}
+        for name, start in (("full", 0), ("short", max(0, n - window - short))):
+            logits, _ = target(ids[:, start:], num_logits=window + 1)
+            logp = logits[0, :-1].float().log_softmax(-1)  # [window, V] predicting the last `window` tokens
+            gold = ids[0, n - window :]
+            out[f"nll_{name}"] = float(-logp.gather(-1, gold[:, None]).mean())
+            out[f"top1_{name}"] = float((logp.argmax(-1) == gold).float().mean())
+        rows.append(out)
+    return rows
+
+
 def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[list[dict], dict]:
     vc = "vericache(compress=snapkv,budget=256"
     arms = {
@@ -141,7 +166,7 @@ def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[l
     return rows, {a: s for a, (s, _) in arms.items()}
 
 
-def summarize(rows_acc, rows_speed, costs, specs, args, margins=()) -> str:
+def summarize(rows_acc, rows_speed, costs, specs, args, margins=(), positions=()) -> str:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
@@ -178,6 +203,19 @@ def summarize(rows_acc, rows_speed, costs, specs, args, margins=()) -> str:
             sel = [m for m in margins if m["bucket"] == bucket]
             out.append(f"| {bucket} | {statistics.mean(m['top1'] for m in sel):.3f} | "
                        f"{statistics.mean(m['close'] for m in sel):.3f} |")
+    if positions:
+        out += ["", "## Far positions: the last 256 prompt tokens, teacher-forced (bf16)", "",
+                "Loss (nats/token) and argmax accuracy of each prompt's last 256 tokens given the whole prompt, and "
+                "given only the 768 tokens before them (every position < 1,024, the zoo target's training window).", "",
+                "| bucket | prompt tokens | loss, whole prompt | loss, last 1,024 only | top-1, whole | top-1, last 1,024 |",
+                "|---|---|---|---|---|---|"]
+        for bucket in sorted({m["bucket"] for m in positions}):
+            sel = [m for m in positions if m["bucket"] == bucket]
+            out.append(f"| {bucket} | {statistics.mean(m['tokens'] for m in sel):.0f} | "
+                       f"{statistics.mean(m['nll_full'] for m in sel):.3f} | "
+                       f"{statistics.mean(m['nll_short'] for m in sel):.3f} | "
+                       f"{statistics.mean(m['top1_full'] for m in sel):.3f} | "
+                       f"{statistics.mean(m['top1_short'] for m in sel):.3f} |")
     out += ["", "## Speed (bf16 target, greedy, median over repeats per prompt, then median over prompts)", "",
             "| arm | bucket | e2e speedup vs plain | per-token speedup vs plain | tau | outputs equal |",
             "|---|---|---|---|---|---|"]
@@ -235,7 +273,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "reports/vericache")
     ap.add_argument("--skip", default="",
                     help="comma-separated sections to skip (their rows from the last run's raw.json are kept): "
-                         "costs, acceptance, margins, speed")
+                         "costs, acceptance, margins, positions, speed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -255,11 +293,13 @@ def main() -> None:
         data["acceptance"] = acceptance(target, prompts, int4, args.max_tokens)
     if "margins" not in skip:
         data["margins"] = margins(target, prompts, args.max_tokens)
+    if "positions" not in skip:
+        data["positions"] = positions(target, prompts)
     if "speed" not in skip:
         data["speed"], data["specs"] = speed(target, prompts, int4, args.repeats, args.max_tokens)
     raw.write_text(json.dumps(data))
     (args.out / "summary.md").write_text(summarize(data["acceptance"], data["speed"], data["costs"], data["specs"], args,
-                                                   data.get("margins", ())))
+                                                   data.get("margins", ()), data.get("positions", ())))
     plots(data["acceptance"], data["costs"], args.out)
     print((args.out / "summary.md").read_text())
 
