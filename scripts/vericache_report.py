@@ -4,7 +4,7 @@
 
 1. Step costs against context length (the speed model's inputs): a forward of 1..33 rows after 64..1,900 cached
    positions, for the bf16 target and its int4 (w4a16 g32 RTN) copy, medians of 31 (row counts interleaved).
-2. Acceptance (greedy, fixed horizon 32): mean accepted run per round and per-position acceptance for each
+2. Acceptance (greedy, fixed horizon 32): mean accepted run per round and per-position acceptance (per_position.png) for each
    compressor x budget x prompt length, drafting with the target's own weights (and its int4 copy for snapkv), and
    the compressed view's memory against the full cache's at the end of each run (greedy: timing-free, so
    `--skip acceptance` keeps the last run's rows).
@@ -262,6 +262,20 @@ def plots(rows_acc, costs, out: Path) -> None:
     ax.set_xscale("log", base=2), ax.set_xlabel("budget (tokens)"), ax.set_ylabel("mean accepted run")
     ax.set_title(f"~{big}-token prompts"), ax.legend(fontsize=7), ax.grid(alpha=0.3)
     fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=120), plt.close(fig)
+    buckets = sorted({r["bucket"] for r in rows_acc})
+    fig, axes = plt.subplots(1, len(buckets), figsize=(4 * len(buckets), 3.6), sharey=True)
+    for ax, bucket in zip(axes, buckets):
+        for comp in COMPRESSORS:
+            sel = [r for r in rows_acc if (r["compress"], r["budget"], r["weights"], r["bucket"]) == (comp, 256, "bf16", bucket)]
+            if not sel:
+                continue
+            drafts = max(1, sum(r["drafts"] for r in sel))
+            depth = max(len(r["per_pos"]) for r in sel)
+            ys = [sum(r["per_pos"][j] for r in sel if j < len(r["per_pos"])) / drafts for j in range(depth)]
+            ax.plot(range(1, depth + 1), ys, label=comp)
+        ax.set_title(f"~{bucket}-token prompts, budget 256"), ax.set_xlabel("draft position"), ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of rounds accepting it"), axes[0].legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(out / "per_position.png", dpi=120), plt.close(fig)
 
 
 def main() -> None:
