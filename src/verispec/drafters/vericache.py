@@ -77,19 +77,18 @@ class Horizon:
         self.draft_s = per_token if not self.draft_s else self.decay * self.draft_s + (1 - self.decay) * per_token
 
     def verify_s(self, rows: int) -> float:
-        """A least-squares line through the recent (rows, seconds); with one distinct row count, its mean scaled
-        as a step whose fixed part is half its cost at 9 rows (this CPU's verify-cost shape)."""
+        """A least-squares line through the recent (rows, seconds), its slope at least that of a step whose fixed
+        part is half its cost at 9 rows (this CPU's verify-cost shape: a verified row costs real compute). Without
+        the floor, noise over nearly equal row counts fits a flat line and every horizon looks free to verify."""
         pts = list(self.verify)
         if not pts:
             return 0.0
         xs = [r for r, _ in pts]
         mean_x, mean_y = sum(xs) / len(xs), sum(t for _, t in pts) / len(pts)
         var = sum((x - mean_x) ** 2 for x in xs)
+        slope = mean_y / (mean_x + 9)
         if var > 0:
-            slope = sum((x - mean_x) * (t - mean_y) for x, t in pts) / var
-            slope = max(slope, 0.0)
-        else:
-            slope = mean_y / (mean_x + 9)
+            slope = max(slope, sum((x - mean_x) * (t - mean_y) for x, t in pts) / var)
         return max(mean_y + slope * (rows - mean_x), 1e-6)
 
     def choose(self, budget: int) -> int:
