@@ -287,6 +287,31 @@ def test_bf16_native_greedy_equals_plain(comp, draft_dir):
             assert any(c is view.cache for c in caches), "the drafter's forwards did not run natively"
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_greedy_requests_draft_in_lockstep(dtype):
+    """Greedy requests sharing one vericache drafter (no inner drafter) draft together, one packed forward a step
+    over every view, arriving at different steps (views of different lengths and positions, some requests still
+    prefilling): the outputs equal plain decoding, and the lockstep path did draft for all of them at once."""
+    if dtype == "bf16" and not native.available():
+        pytest.skip(no_native_reason())
+    target = tiny_model(2, 0.5)
+    if dtype == "bf16":
+        target = target.to(torch.bfloat16).pack_weights()
+    plain = {name: decode(target, p, GREEDY).token_ids for name, p in PROMPTS.items()}
+    for comp in ("streaming", "snapkv", "retrieval", "snapkv+kivi"):
+        spec = spec_of(comp, "adaptive" if comp == "retrieval" else "fixed")
+        engine = Engine(target, None, EngineConfig(k=5, prefill_chunk=32, drafter=spec))
+        drafter = engine.drafter(spec)
+        widths = []
+        together = drafter._propose_greedy_together
+        drafter._propose_greedy_together = lambda requests: widths.append(len(requests)) or together(requests)
+        arrivals = {2 * i: [(PROMPTS[name], GREEDY, RequestSpec(), name)] for i, name in enumerate(PROMPTS)}
+        results = run_checked(engine, arrivals)
+        assert {name: results[name].token_ids for name in PROMPTS} == plain, comp
+        assert widths and max(widths) == len(PROMPTS), (comp, widths)
+        engine.check_idle()
+
+
 # ---- sampling -------------------------------------------------------------------------------------------------
 
 S_N = 2500  # runs per case, as test_exactness (TV limit 0.128)
