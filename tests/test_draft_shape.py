@@ -1,6 +1,6 @@
 """Draft shapes and drafter capabilities: a draft is a tree of nodes (parent indices, q rows and confidences per
-node); a chain is the tree whose parents are -1, 0, ..., k-2. Every drafter proposes chains; decode and the engine
-refuse a tree clearly. What a drafter needs (hidden layers, the target's KV) and yields (trees) is instance data."""
+node); a chain is the tree whose parents are -1, 0, ..., k-2. Drafters propose chains unless they declare trees
+(the model drafter with a tree config); decode and the engine refuse a tree from a drafter that does not. What a drafter needs (hidden layers, the target's KV) and yields (trees) is instance data."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class TreeDrafter(Drafter):
         return [Draft([1, 2], parents=(-1, -1)) for _ in requests]
 
 
-def test_decode_and_the_engine_refuse_a_tree_draft():
+def test_decode_and_the_engine_refuse_an_undeclared_tree_draft():
     target = tiny_model()
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with pytest.raises(ValueError, match="tree draft"):
@@ -68,8 +68,8 @@ def test_decode_and_the_engine_refuse_a_tree_draft():
     engine.add_request([3, 4, 5], params)
     with pytest.raises(ValueError, match="tree draft"):
         engine.run_until_done()
-    with pytest.raises(ValueError, match="chain drafts only"):
-        verify_round(torch.zeros(3, 97), Draft([1, 2], parents=(-1, -1)), params, "rejection", None)
+    verdict = verify_round(torch.zeros(3, 97), Draft([1, 2], parents=(-1, -1)), params, "rejection", None)
+    assert verdict.tokens == [0] and verdict.path == ()  # the round itself verifies trees (tests/test_tree_*.py)
 
 
 class KVReader(Drafter):

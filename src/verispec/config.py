@@ -234,6 +234,34 @@ def _check_tier(tier: str | None) -> None:
         raise ConfigError(f"kv_tier must be a device such as 'cpu' (or None), got {tier!r}")
 
 
+TREE_MODES = ("off", "auto")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Dynamic draft trees (EAGLE-2) for a drafter that can give the top-k tokens at a node: at each depth the
+    `width` most probable new nodes (by cumulative draft probability) are expanded with their `width` most probable
+    children, for `depth` levels, and the best `nodes` of them all are verified (never more than the round's budget,
+    SpecConfig.k / EngineConfig.k, so raise k with nodes). Chains are the default."""
+
+    mode: str = "off"  # off: chains; auto: a dynamic tree each round (a chain where the budget leaves one node)
+    width: int = 4  # children per expanded node, and nodes expanded per depth (EAGLE-2's top_k)
+    depth: int = 4  # levels below the anchor
+    nodes: int = 16  # nodes kept after reranking (EAGLE-2's total_tokens), at most the round's budget
+
+    def __post_init__(self) -> None:
+        if self.mode not in TREE_MODES:
+            raise ConfigError(f"tree must be one of {TREE_MODES}, got {self.mode!r}")
+        for name in ("width", "depth", "nodes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ConfigError(f"tree {name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
 POLICIES = ("off", "fixed", "batch-table", "dspark")
 # k by number of running requests (first row whose bound covers the count), as vLLM and TensorRT-LLM schedule it.
 DEFAULT_BATCH_TABLE = ((1, 8), (2, 6), (4, 4), (8, 3), (16, 2), (1 << 30, 1))

@@ -1,8 +1,10 @@
 """The single-sequence reference loop: plain and speculative decoding, and the oracle for faster paths.
 
 Invariant: the target's cache holds every committed token but the last (the anchor). Each round feeds
-[anchor, x_1..x_k] in one forward, verifies, truncates the cache to the accepted prefix and commits
-num_accepted + 1 tokens. Plain decoding is the same loop with k = 0, so both share prefill and step shapes.
+[anchor, x_1..x_k] in one forward, verifies, rolls the cache back to the accepted path and commits
+num_accepted + 1 tokens. Plain decoding is the same loop with k = 0, so both share prefill and step shapes. A tree
+draft's forward carries its positions and tree attention mask, and its cache keeps the accepted path's rows
+(round.tree_inputs, round.keep_accepted); nothing else in the loop depends on the draft's shape.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import check_draft, lend_cache, verify_round
+from verispec.round import check_draft, keep_accepted, lend_cache, path_rows, tree_inputs, verify_round
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 
@@ -159,24 +161,27 @@ def decode_stream(
                 propose_s = time.perf_counter() - t0
                 stats.draft_s += propose_s
                 check_draft(draft, budget, target.config.vocab_size, drafter)
-                if policy is not None:
+                if policy is not None and draft.is_chain:  # the length rule cuts chains; a tree is verified whole
                     draft = policy.cut(draft, n)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
+            tree = tree_inputs(draft, cache, 1, device)
+            shape = {} if tree is None else {"positions": tree[0][None], "attn_mask": tree[1]}
             with cache.resident():
-                logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers)
-            out = verify_round(logits[0], draft, params, spec.verify, generator)
-            num_accepted = int(out.num_accepted[0])
-            cache.truncate(n + num_accepted)
-            emitted = stopper.extend(out.rows()[0])
+                logits, hidden = target(inp, cache=cache, hidden_layers=hidden_layers, **shape)
+            verdict = verify_round(logits[0], draft, params, spec.verify, generator)
+            num_accepted = verdict.num_accepted
+            keep_accepted(cache, draft, verdict, n)
+            emitted = stopper.extend(verdict.tokens)
             tokens.extend(emitted.token_ids)
             stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids))
             if policy is not None:
-                policy.record(propose_s, n, proposed.tokens, tokens)
+                policy.record(propose_s, n, proposed.tokens if proposed.is_chain else [], tokens)
             if stats.num_rounds == 1:
                 stats.ttft_s = time.perf_counter() - start
             if drafter is not None:
                 t0 = time.perf_counter()
-                drafter.accept(Verified(seq_id, num_accepted, emitted.token_ids, {k: v[0] for k, v in hidden.items()}))
+                verified = path_rows({k: v[0] for k, v in hidden.items()}, draft, verdict)
+                drafter.accept(Verified(seq_id, num_accepted, emitted.token_ids, verified))
                 stats.draft_s += time.perf_counter() - t0
             if emitted.finish_reason is None:
                 yield StreamEvent(emitted.token_ids, emitted.text)

@@ -1,21 +1,38 @@
 """One round of verification, shared by the reference loop (`decode.py`) and the engine: check a drafter's
-proposal, then verify it against the target's logits with the request's rule (verify.py's pure functions).
+proposal, shape the target's forward over it (a tree's positions and attention mask), verify it against the
+target's logits with the request's rule (verify.py's pure functions), and keep the accepted rows of the cache.
+
+A draft is a chain or a tree (`Draft.is_chain`); both commit an accepted path plus one token (`Verdict`). A chain
+rolls the cache back by truncation, a tree keeps its accepted path's rows (`KVCache.compact`).
 
 The reference loop verifies one request per round (`verify_round`); the engine verifies every request of a step
-(`verify_batch`), greedy ones in one batched call and sampled ones each with its own generator, so each request
-draws what it would draw alone and the engine's output equals the reference loop's.
+(`verify_batch`): greedy chains in one batched call, the rest each with its own generator (trees one by one), so
+each request draws what it would draw alone and the engine's output equals the reference loop's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from verispec.cache import KVCache
+from verispec.cache import KVCache, tree_mask, tree_positions
 from verispec.config import SamplingParams
 from verispec.drafters.base import Draft, Drafter
-from verispec.verify import VerifyOutput, greedy_verify, verify_chain
+from verispec.verify import greedy_verify, verify_chain, verify_tree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided for one request's draft in one round."""
+
+    tokens: list[int]  # committed: the accepted path's tokens, then the recovered or bonus token
+    path: tuple[int, ...]  # the accepted nodes, root to leaf (a chain's: 0..a-1)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
 
 
 def lend_cache(drafter: Drafter, seq_id: int, cache: KVCache) -> None:
@@ -26,12 +43,11 @@ def lend_cache(drafter: Drafter, seq_id: int, cache: KVCache) -> None:
 
 
 def check_draft(draft: Draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
-    """Raise ValueError for a proposal longer than its budget, with a token outside the vocabulary, or shaped as a
-    tree: this round verifies chains (verify.greedy_tree_verify is the pure rule a tree round will use)."""
-    if not draft.is_chain:
-        declared = "" if drafter.capabilities.trees else " without declaring trees in its capabilities"
-        raise ValueError(f"drafter {type(drafter).__name__} proposed a tree draft (parents {draft.parents}){declared}; "
-                         f"decode and the engine verify chain drafts only")
+    """Raise ValueError for a proposal with more nodes than its budget, with a token outside the vocabulary, or
+    shaped as a tree by a drafter whose capabilities do not declare trees."""
+    if not draft.is_chain and not drafter.capabilities.trees:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed a tree draft (parents {draft.parents}) without "
+                         f"declaring trees in its capabilities (Capabilities.trees)")
     if len(draft.tokens) > budget or any(not 0 <= t < vocab_size for t in draft.tokens):
         raise ValueError(
             f"drafter {type(drafter).__name__} proposed {draft.tokens} for a budget of {budget} tokens "
@@ -39,17 +55,62 @@ def check_draft(draft: Draft, budget: int, vocab_size: int, drafter: Drafter) ->
         )
 
 
+def tree_inputs(
+    draft: Draft, cache: KVCache, pending: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # (positions [P + N], mask [P + N, cache.length + P + N]) or None
+    """The positions and attention mask of a forward that feeds `pending` committed tokens (the last one the
+    anchor) and then a tree draft after `cache`'s rows: the committed rows are causal, each node sees the cache,
+    those rows, its ancestors and itself, one position past its parent. None for a chain (the causal forward)."""
+    if draft.is_chain:
+        return None
+    start, first = cache.length, cache.next_position  # rows before the forward; the first new token's position
+    parents = list(draft.parents)
+    mask = tree_mask(start + pending - 1, parents, device)  # [N + 1, start + P + N]: the anchor and the nodes
+    positions = tree_positions(first + pending - 1, parents, device)
+    if pending > 1:
+        cols = torch.arange(mask.shape[1], device=device)[None]
+        head = cols <= torch.arange(start, start + pending - 1, device=device)[:, None]  # [P - 1, start + P + N]
+        mask = torch.cat([head, mask])
+        positions = torch.cat([torch.arange(first, first + pending - 1, device=device), positions])
+    return positions, mask
+
+
+def keep_accepted(cache: KVCache, draft: Draft, verdict: Verdict, num_committed: int) -> None:
+    """After a round's forward, roll `cache` back to the committed tokens but the new anchor: a chain truncates,
+    a tree keeps its accepted path's rows, moved to follow the anchor (KVCache.compact). `num_committed`: the
+    committed tokens before the round (the forward fed those the cache lacked, the anchor last, then the draft)."""
+    if draft.is_chain:
+        cache.truncate(num_committed + verdict.num_accepted)
+        return
+    pending = num_committed - cache.round_start  # rows this forward fed up to and including the anchor
+    cache.compact([*range(pending), *(pending + i for i in verdict.path)])
+
+
+def path_rows(
+    hidden: dict[int, torch.Tensor], draft: Draft, verdict: Verdict  # {layer: [k+1, d]} the round's rows
+) -> dict[int, torch.Tensor]:  # {layer: [k+1, d]} for a chain, [a+1, d] for a tree
+    """The target hidden states a drafter hears about after a round: a chain's every verified row (as ever), a
+    tree's anchor and accepted path, which is the chain the round committed."""
+    if draft.is_chain or not hidden:
+        return hidden
+    rows = [0, *(i + 1 for i in verdict.path)]
+    return {layer: h[rows] for layer, h in hidden.items()}
+
+
 def verify_round(
-    logits: torch.Tensor,  # [k+1, V] the target's logits at the anchor and each draft token
-    draft: Draft,  # k tokens, with their q rows where sampled
+    logits: torch.Tensor,  # [k+1, V] the target's logits at the anchor and each draft node
+    draft: Draft,  # k nodes, with their q rows where sampled
     params: SamplingParams,
     rule: str,  # SpecConfig.verify: "rejection" or "sample-match" (greedy requests verify greedily either way)
     generator: torch.Generator | None,  # the request's RNG (None when greedy)
-) -> VerifyOutput:
-    """Verify one request's chain draft (verify.verify_chain); an empty draft is a plain decoding step."""
-    if not draft.is_chain:
-        raise ValueError("verify_round verifies chain drafts only; this draft is a tree")
-    return verify_chain(logits, draft.tokens, draft.probs, params, rule, generator)
+) -> Verdict:
+    """Verify one request's draft: a chain with its rule (verify.verify_chain; an empty draft is a plain decoding
+    step), a tree greedily or by recursive rejection sampling (verify.verify_tree)."""
+    if draft.is_chain:
+        out = verify_chain(logits, draft.tokens, draft.probs, params, rule, generator)
+        return Verdict(out.rows()[0], tuple(range(int(out.num_accepted[0]))))
+    out, path = verify_tree(logits, draft.tokens, draft.parents, draft.probs, params, generator)
+    return Verdict(out.rows()[0], tuple(path))
 
 
 def verify_batch(
@@ -58,15 +119,15 @@ def verify_batch(
     params: Sequence[SamplingParams],  # [B]
     rules: Sequence[str],  # [B] SpecConfig.verify per request
     generators: Sequence[torch.Generator | None],  # [B]
-) -> list[list[int]]:
-    """Committed tokens per request: greedy requests in one batched call, sampled ones each with its own RNG
-    (`verify_round`)."""
+) -> list[Verdict]:
+    """Verdicts per request: greedy chains in one batched call; sampled chains and every tree one by one, each
+    with its own RNG (`verify_round`)."""
     starts, row = [], 0
     for d in drafts:
         starts.append(row)
         row += len(d.tokens) + 1
-    out: list[list[int] | None] = [None] * len(drafts)
-    batch = [i for i, p in enumerate(params) if p.greedy]
+    out: list[Verdict | None] = [None] * len(drafts)
+    batch = [i for i, p in enumerate(params) if p.greedy and drafts[i].is_chain]
     if batch:
         rows = torch.cat([torch.arange(starts[i], starts[i] + len(drafts[i].tokens) + 1) for i in batch])
         res = greedy_verify(
@@ -75,10 +136,9 @@ def verify_batch(
             logits[rows.to(logits.device)],
         )
         for i, block in zip(batch, res.rows()):
-            out[i] = block
+            out[i] = Verdict(block, tuple(range(len(block) - 1)))
     for i, d in enumerate(drafts):
         if out[i] is None:
             k = len(d.tokens)
-            res = verify_round(logits[starts[i] : starts[i] + k + 1], d, params[i], rules[i], generators[i])
-            out[i] = res.rows()[0]
+            out[i] = verify_round(logits[starts[i] : starts[i] + k + 1], d, params[i], rules[i], generators[i])
     return out  # type: ignore[return-value]

@@ -13,9 +13,12 @@ rows and k_b + 1 target rows, stored back to back in request order. Outputs are 
 PLACEHOLDER_TOKEN_ID.
 
 Trees: a draft may also be a tree of N nodes (node i continues its parent's path, -1 = the anchor; parents before
-children), scored in one forward with a tree attention mask: target row 0 is the anchor, row i + 1 node i.
-greedy_tree_verify commits the longest root-to-leaf path of accepted nodes (one request; chains are its special
-case). Lossless tree sampling is not here yet.
+children), scored in one forward with a tree attention mask: target row 0 is the anchor, row i + 1 node i. Each
+node's q row is the distribution it was drawn from given its path (None: point masses, as for chains). A tree
+commits the tokens of its accepted path (node indices root to leaf) plus one recovered or bonus token:
+- greedy_tree_verify: the deepest path of nodes equal to the argmax at their parent (one request);
+- rejection_tree_verify: recursive rejection sampling over siblings (SpecInfer's multi-step speculative sampling;
+  EAGLE's evaluate_posterior for point masses), batched over ragged trees like the chain rules.
 
 Three rules:
 - greedy_verify: accept while x_j == argmax p_j (temperature 0).
@@ -227,6 +230,103 @@ def _tree_depth(parents: list[int]) -> int:
     for p in parents:
         depth.append(1 + (depth[p] if p >= 0 else 0))
     return max(depth, default=0)
+
+
+def _sibling_residual(
+    p: torch.Tensor,  # [B, V] the distribution node x was just tested against
+    q: torch.Tensor | None,  # [B, V] the q x was drawn from; None = a point mass at x
+    x: torch.Tensor,  # [B] the rejected tokens
+) -> torch.Tensor:  # [B, V]
+    """What x's next sibling (or, after the last one, the recovered token) is tested against once x was rejected:
+    the residual norm(max(0, p - q)). For a point mass that is p with x removed. Where the residual has no mass
+    (p == q up to rounding), p itself, as the chain rule does."""
+    if q is None:
+        residual = p.scatter(1, x[:, None], 0.0)
+    else:
+        residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+
+
+def rejection_tree_verify(
+    draft_tokens: torch.Tensor,  # [N] every request's tree nodes, flattened, each tree in topological order
+    parents: torch.Tensor,  # [N] each node's parent index within its tree, -1 = the anchor
+    num_draft: torch.Tensor,  # [B] nodes per tree, sum = N
+    target_probs: torch.Tensor,  # [N + B, V] processed p per tree: its anchor's row, then node i's at i + 1
+    draft_probs: torch.Tensor | None,  # [N, V] the q each node was drawn from given its path; None = point masses
+    generators: Sequence[torch.Generator | None],  # [B]
+) -> tuple[VerifyOutput, torch.Tensor]:  # (committed [B, K+1], accepted path: node indices [B, K], padded)
+    """Lossless sampling over draft trees: SpecInfer's multi-step speculative sampling (Miao et al. 2024,
+    arXiv 2305.09781, Algorithm 2 / Theorem 4.2), which EAGLE's `evaluate_posterior` runs for point masses.
+
+    From the anchor, with p = p(anchor): try the current node's children in index order, child x with probability
+    min(1, p(x) / q(x)). On acceptance move to x and restart from p = p(x); on rejection set p <- norm(max(0, p - q))
+    and try the next sibling. When no child is left, draw the last token from p: the residual after the rejected
+    siblings (recovered), or p at an accepted leaf (bonus). Lossless when each node's q is the distribution it was
+    drawn from independently of its earlier siblings (i.i.d. samples from q), or for any choice of tokens made
+    before verification when q is None (point masses: EAGLE-2's top-k children). Distinct siblings are not
+    required: a repeated point mass has p(x) = 0 once rejected.
+
+    Each tree draws k_b uniforms (one per node, used or not) and then its final token from its own generator, so
+    its tokens never depend on the rest of the batch. Scanning nodes in index order visits the children of the
+    current node in order: every child of a node comes after it.
+    """
+    layout = _Layout.build(num_draft, target_probs.shape[0])
+    batch, width = layout.target_index.shape
+    device = target_probs.device
+    drafts = _padded_drafts(draft_tokens, layout)  # [B, K]
+    safe = drafts.clamp(min=0)
+    par = parents.long().to(device)[layout.draft_index] if parents.numel() else torch.zeros_like(drafts)
+    p_all = target_probs.float()[layout.target_index]  # [B, K+1, V]
+    q_all = None if draft_probs is None or draft_probs.shape[0] == 0 else draft_probs.float()[layout.draft_index]
+    ks = num_draft.tolist()
+    uniforms = torch.ones(batch, width - 1, device=device)  # 1.0 never accepts (u < ratio <= 1)
+    for b, g in enumerate(_per_row(generators, batch)):
+        uniforms[b, : ks[b]] = torch.rand(ks[b], generator=g, device=device)
+
+    rows = torch.arange(batch, device=device)
+    p = p_all[:, 0]  # [B, V] what the current node's next child is tested against
+    cur = torch.full((batch,), -1, dtype=torch.long, device=device)  # the deepest accepted node, -1 = the anchor
+    depth = torch.zeros(batch, dtype=torch.long, device=device)
+    path = torch.full((batch, width - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+    for i in range(width - 1):
+        x = safe[:, i]
+        q = None if q_all is None else q_all[:, i]  # [B, V]
+        p_x = p.gather(1, x[:, None]).squeeze(1)
+        q_x = torch.ones_like(p_x) if q is None else q.gather(1, x[:, None]).squeeze(1)
+        ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), torch.zeros_like(p_x)).clamp(max=1.0)
+        tried = layout.draft_valid[:, i] & (par[:, i] == cur)
+        accept = tried & (uniforms[:, i] < ratio)
+        p = torch.where((tried & ~accept)[:, None], _sibling_residual(p, q, x), p)
+        p = torch.where(accept[:, None], p_all[:, i + 1], p)
+        path[rows[accept], depth[accept]] = i
+        depth = depth + accept.long()
+        cur = torch.where(accept, i, cur)
+    final = torch.stack([sample(p[b : b + 1], g)[0] for b, g in enumerate(generators)])
+    accepted = drafts.gather(1, path.clamp(min=0)) if width > 1 else drafts  # [B, K] tokens along the path
+    return VerifyOutput(_commit(accepted, final, depth), depth), path
+
+
+def verify_tree(
+    logits: torch.Tensor,  # [N+1, V] the verifier's logits at the anchor and each node (tree attention)
+    tokens: list[int],  # [N] the nodes' tokens, topological order
+    parents: Sequence[int],  # [N] each node's parent, -1 = the anchor
+    probs: torch.Tensor | None,  # [N, V] the q each node was drawn from; None = point masses
+    params: SamplingParams,
+    generator: torch.Generator | None,  # the request's RNG (None when greedy)
+) -> tuple[VerifyOutput, list[int]]:  # (committed [1, *], accepted path: node indices root to leaf)
+    """Verify one request's draft tree: greedily at temperature 0, else by recursive rejection sampling (the rule
+    for trees whatever SpecConfig.verify says: with point masses it accepts x exactly as sample-match would,
+    with probability p(x), and it is lossless for soft q too)."""
+    device = logits.device
+    par = torch.tensor(list(parents), dtype=torch.long, device=device)
+    draft = torch.tensor(tokens, dtype=torch.long, device=device)
+    if params.greedy:
+        out, path = greedy_tree_verify(draft, par, logits)
+        return out, path.tolist()
+    num_draft = torch.tensor([len(tokens)], device=device)
+    out, path = rejection_tree_verify(draft, par, num_draft, probs_for(logits, params), probs, [generator])
+    return out, path[0, : int(out.num_accepted[0])].tolist()
 
 
 def verify_chain(

@@ -7,6 +7,7 @@ on what else is in the batch beyond matmul blocking.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,15 +55,29 @@ def tree_positions(start: int, parents: list[int], device: torch.device) -> torc
 class PackedBatch:
     segments: tuple[Segment, ...]
     masks: tuple[torch.Tensor | None, ...]  # per segment, from its cache length before the forward
+    # per segment: its own positions [T] where its mask is not causal (a draft tree's), else None
+    own_positions: tuple[torch.Tensor | None, ...] = ()
 
     @staticmethod
-    def build(caches: list[KVCache], lengths: list[int], device: torch.device) -> PackedBatch:
-        segments, masks, row = [], [], 0
-        for cache, n in zip(caches, lengths):
+    def build(
+        caches: list[KVCache], lengths: list[int], device: torch.device,
+        trees: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    ) -> PackedBatch:
+        """Segments of `lengths` new tokens after each cache's rows, causal unless `trees[i]` gives segment i's
+        (positions [T], mask [T, cache.length + T]) (a draft tree's, round.tree_inputs)."""
+        segments, masks, positions, row = [], [], [], 0
+        for i, (cache, n) in enumerate(zip(caches, lengths)):
+            tree = trees[i] if trees is not None else None
             segments.append(Segment(cache, row, n))
-            masks.append(causal_mask(cache.length, n, device))
+            masks.append(causal_mask(cache.length, n, device) if tree is None else tree[1])
+            positions.append(None if tree is None else tree[0])
             row += n
-        return PackedBatch(tuple(segments), tuple(masks))
+        return PackedBatch(tuple(segments), tuple(masks), tuple(positions) if trees is not None else ())
+
+    @property
+    def causal(self) -> tuple[bool, ...]:
+        """Per segment: whether its mask is causal (False: a tree's, which only the torch attention honours)."""
+        return tuple(p is None for p in self.own_positions) or (True,) * len(self.segments)
 
     @property
     def num_rows(self) -> int:
@@ -70,9 +85,11 @@ class PackedBatch:
         return last.start + last.length
 
     def positions(self, device: torch.device) -> torch.Tensor:  # [N]
+        own = self.own_positions or (None,) * len(self.segments)
         return torch.cat([
-            torch.arange(s.cache.next_position, s.cache.next_position + s.length, device=device)
-            for s in self.segments
+            torch.arange(s.cache.next_position, s.cache.next_position + s.length, device=device) if p is None
+            else p.to(device)
+            for s, p in zip(self.segments, own)
         ])
 
     def advance(self) -> None:

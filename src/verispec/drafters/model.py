@@ -1,4 +1,5 @@
-"""An independent small causal LM as drafter, with its own caller-owned cache per sequence."""
+"""An independent small causal LM as drafter, with its own caller-owned cache per sequence: chains by default, or
+EAGLE-2 dynamic trees (`model(path=DIR, tree=auto, width=4, depth=4, nodes=16)`, drafters.tree)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,27 @@ from pathlib import Path
 import torch
 
 from verispec.cache import KVCache, PackedBatch
-from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, register_drafter
-from verispec.errors import CheckpointError
+from verispec.config import TreeConfig
+from verispec.drafters.base import (
+    EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
+)
+from verispec.drafters.tree import DynamicTree
+from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
 
 class ModelDrafter(Drafter):
-    """Drafts k tokens autoregressively: argmax at temperature 0 (point mass), else sampled from q."""
+    """Drafts k tokens autoregressively: argmax at temperature 0 (point mass), else sampled from q. With a tree
+    config on, it grows a dynamic tree instead (top-k children, point masses, at any temperature)."""
 
     name = "model"
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, tree: TreeConfig = TreeConfig()) -> None:
         self.model = model
+        self.tree = tree
+        self.capabilities = Capabilities(trees=tree.enabled)
         self._caches: dict[int, KVCache] = {}
         self._round_start: dict[int, int] = {}  # committed length when the last draft was proposed
 
@@ -48,7 +56,10 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        """All requests advance together: one packed forward of the draft model per draft position."""
+        """All requests advance together: one packed forward of the draft model per draft position (per tree depth
+        for trees)."""
+        if self.tree.enabled:
+            return self._propose_trees(requests)
         budgets, pending = [], []
         for r in requests:
             cache = self._caches[r.seq_id]
@@ -82,6 +93,78 @@ class ModelDrafter(Drafter):
         ]
 
 
+    def _propose_trees(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One packed forward over every request's new committed tokens gives q at its anchor, then one per depth
+        over every tree's frontier (each node attending to the committed rows, its ancestors and itself); the tree
+        rows leave the cache afterwards, so it holds committed tokens only between rounds."""
+        device = self.model.device
+        trees: dict[int, DynamicTree] = {}
+        committed: dict[int, int] = {}  # rows of committed tokens in each live cache
+        rows: dict[int, dict[int, int]] = {}  # per request: tree node -> its cache row
+        live, pending = [], []
+        for i, r in enumerate(requests):
+            cache = self._caches[r.seq_id]
+            budget = max(0, min(r.budget, self.tree.nodes, cache.max_len - len(r.tokens)))
+            if budget > 0:
+                self._round_start[r.seq_id] = len(r.tokens)
+                trees[i], rows[i], committed[i] = DynamicTree(self.tree, budget), {}, len(r.tokens)
+                live.append(i)
+                pending.append(r.tokens[cache.length :])
+        frontier: dict[int, list[int]] = {i: [-1] for i in live}
+        if live:
+            batch = PackedBatch.build([self._caches[requests[i].seq_id] for i in live], [len(t) for t in pending],
+                                      device)
+            last = torch.tensor([s.start + s.length - 1 for s in batch.segments], device=device)
+            logits, _ = self.model.forward_packed(torch.tensor([t for p in pending for t in p], device=device),
+                                                  batch, last)  # [len(live), V]
+            for row, i in enumerate(live):
+                frontier[i] = trees[i].grow([-1], self._q(logits[row : row + 1], requests[i]))
+        while live := [i for i in live if frontier[i] and self._room(requests[i], len(frontier[i]))]:
+            caches = [self._caches[requests[i].seq_id] for i in live]
+            shapes = [self._frontier_inputs(trees[i], frontier[i], rows[i], caches[j], committed[i], device)
+                      for j, i in enumerate(live)]
+            batch = PackedBatch.build(caches, [len(frontier[i]) for i in live], device, shapes)
+            flat = [trees[i].nodes[n].token for i in live for n in frontier[i]]
+            logits, _ = self.model.forward_packed(torch.tensor(flat, device=device), batch,
+                                                  torch.arange(len(flat), device=device))  # [sum F, V]
+            start = 0
+            for i in live:
+                f = len(frontier[i])
+                frontier[i] = trees[i].grow(frontier[i], self._q(logits[start : start + f], requests[i]))
+                start += f
+        for i in trees:
+            self._caches[requests[i].seq_id].truncate(committed[i])  # drop the tree rows
+        return [trees[i].draft() if i in trees else EMPTY_DRAFT for i in range(len(requests))]
+
+    def _room(self, request: DraftRequest, rows: int) -> bool:
+        cache = self._caches[request.seq_id]
+        return cache.length + rows <= cache.max_len
+
+    @staticmethod
+    def _q(logits: torch.Tensor, request: DraftRequest) -> torch.Tensor:  # [F, V] -> [F, V]
+        """The draft distribution that ranks children: the request's processed q, or softmax at temperature 0."""
+        return logits.float().softmax(dim=-1) if request.params.greedy else probs_for(logits, request.params)
+
+    @staticmethod
+    def _frontier_inputs(
+        tree: DynamicTree, frontier: list[int], rows: dict[int, int], cache: KVCache, committed: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (positions [F], mask [F, cache.length + F])
+        """Each frontier node sees the committed rows, its ancestors' rows (fed at earlier depths) and itself, at
+        one position past its parent; records the rows the frontier's keys will take."""
+        length = cache.length
+        mask = torch.zeros(len(frontier), length + len(frontier), dtype=torch.bool)
+        mask[:, :committed] = True
+        for f, node in enumerate(frontier):
+            for a in tree.path(node)[:-1]:
+                mask[f, rows[a]] = True
+            mask[f, length + f] = True
+            rows[node] = length + f
+        base = cache.next_position - (length - committed)  # the anchor's position + 1
+        positions = torch.tensor([base + tree.nodes[n].depth - 1 for n in frontier], device=device)
+        return positions, mask.to(device)
+
+
 def check_vocab_compatible(target_dir: Path | None, draft_dir: Path, target: Transformer, draft: Transformer) -> None:
     if draft.config.vocab_size != target.config.vocab_size:
         raise CheckpointError(
@@ -101,11 +184,36 @@ def _bench_spec(zoo: Path) -> str | None:
     return f"model:{zoo / 'drafter'}" if (zoo / "drafter" / "config.json").is_file() else None
 
 
-@register_drafter("model", bench_spec=_bench_spec)
-def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> ModelDrafter:
-    """`model:DIR` loads a checkpoint directory; plain `model` drafts with the target itself (self-draft)."""
-    if arg is None:
-        return ModelDrafter(target)
-    draft = load_model(arg, dtype=dtype, device=device)
-    check_vocab_compatible(getattr(target, "source_dir", None), Path(arg), target, draft)
-    return ModelDrafter(draft)
+TREE_OPTIONS = ("tree", "width", "depth", "nodes")
+
+
+def tree_config(options: dict[str, str], who: str) -> TreeConfig:
+    """A TreeConfig from a structured spec's tree options (popped from `options`), TreeConfig's defaults filling
+    the rest."""
+    values: dict[str, object] = {}
+    if "tree" in options:
+        values["mode"] = options.pop("tree")
+    for key in TREE_OPTIONS[1:]:
+        if key in options:
+            try:
+                values[key] = int(options.pop(key))
+            except ValueError:
+                raise ConfigError(f"{who} option {key}: expected an integer") from None
+    return TreeConfig(**values)
+
+
+@register_drafter("model", bench_spec=_bench_spec, structured=True)
+def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
+           options: dict[str, str] | None = None) -> ModelDrafter:
+    """`model:DIR` loads a checkpoint directory; plain `model` drafts with the target itself (self-draft).
+    Structured: `model(path=DIR, tree=auto|off, width=W, depth=D, nodes=N)` (TreeConfig; no path = self-draft)."""
+    opts = dict(options or {})
+    path = opts.pop("path", None) or arg
+    tree = tree_config(opts, "model")
+    if opts:
+        raise ConfigError(f"model takes no option {sorted(opts)[0]!r}; options: path, {', '.join(TREE_OPTIONS)}")
+    if path is None:
+        return ModelDrafter(target, tree)
+    draft = load_model(path, dtype=dtype, device=device)
+    check_vocab_compatible(getattr(target, "source_dir", None), Path(path), target, draft)
+    return ModelDrafter(draft, tree)

@@ -6,6 +6,11 @@ forward over every request's pending tokens (prefill chunks, anchors, drafts) ->
 drafters, stop checks) -> emit. Per request this is the reference loop (`decode.py`) with the same draws in the
 same order, so its output equals `decode`'s whatever else is in the batch.
 
+Chain and tree drafts share a step: a tree's segment of the packed forward carries its own positions and tree mask
+(round.tree_inputs), and its cache keeps the accepted path (round.keep_accepted). A step holding a tree runs the
+torch forward for every row (the native one knows causal masks only), and trees are verified one request at a
+time (greedy chains in one batched call).
+
 `add_request` and `abort` may be called from any thread; `step` runs on one thread only (the forwards switch a
 process-wide oneDNN flag).
 """
@@ -35,7 +40,7 @@ from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, learn_from_proposals
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import check_draft, lend_cache, verify_batch
+from verispec.round import Verdict, check_draft, keep_accepted, lend_cache, path_rows, tree_inputs, verify_batch
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 
@@ -292,12 +297,14 @@ class Engine:
         self._schedule(rounds, prefill_tokens=sum(n for _, n in prefill))
 
         # One packed forward: [prefill chunks] then per decoding request [pending..., draft...].
-        caches, lengths, tokens, logit_rows = [], [], [], []
+        caches, lengths, tokens, logit_rows, trees = [], [], [], [], []
+        device = self.target.device
         observed: list[tuple[Request, int, int, int]] = []  # prompt rows drafters must see: (req, pos, row, n)
         for req, n in prefill:
             observed.append((req, req.cache.length, len(tokens), n))
             caches.append(req.cache)
             lengths.append(n)
+            trees.append(None)
             tokens.extend(req.pending[:n])
         for rnd in rounds:
             seg = rnd.req.pending + rnd.draft.tokens
@@ -305,17 +312,17 @@ class Engine:
                 observed.append((rnd.req, rnd.req.cache.length, len(tokens), len(rnd.req.pending) - 1))
             caches.append(rnd.req.cache)
             lengths.append(len(seg))
+            trees.append(tree_inputs(rnd.draft, rnd.req.cache, len(rnd.req.pending), device))
             first = len(tokens) + len(seg) - len(rnd.draft.tokens) - 1  # the anchor's row
             rnd.rows = len(logit_rows)
             logit_rows.extend(range(first, first + len(rnd.draft.tokens) + 1))
             tokens.extend(seg)
-        device = self.target.device
         users = [r for r in self.running if r.drafter is not None]
         hidden_layers = sorted({layer for r in users for layer in self.drafter(r.drafter).capabilities.hidden_layers})
         with ExitStack() as resident:
             for c in caches:
                 resident.enter_context(c.resident())
-            batch = PackedBatch.build(caches, lengths, device)
+            batch = PackedBatch.build(caches, lengths, device, trees if any(t is not None for t in trees) else None)
             logits, hidden = self.target.forward_packed(
                 torch.tensor(tokens, device=device), batch, torch.tensor(logit_rows, dtype=torch.long, device=device),
                 hidden_layers,
@@ -323,9 +330,9 @@ class Engine:
         for req, pos, row, n in observed:
             if req.drafter is not None and hidden:
                 self.drafter(req.drafter).observe(req.seq_id, pos, {k: h[row : row + n] for k, h in hidden.items()})
-        committed = self._verify(rounds, logits)
-        for rnd, block in zip(rounds, committed):
-            self._commit(rnd, block, hidden, logit_rows, outputs)
+        verdicts = self._verify(rounds, logits)
+        for rnd, verdict in zip(rounds, verdicts):
+            self._commit(rnd, verdict, hidden, logit_rows, outputs)
 
     def _draft(self, decoding: list[Request]) -> list[_Round]:
         rounds = {req.request_id: _Round(req, EMPTY_DRAFT) for req in decoding}
@@ -343,15 +350,18 @@ class Engine:
             drafter = self.drafter(spec)
             for dreq, draft in zip(batch, drafter.propose(batch)):
                 check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
-                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, 0, draft.tokens)
+                # the acceptance estimator scores whole chain proposals; a tree's nodes are no positions
+                proposed = draft.tokens if draft.is_chain else []
+                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, 0, proposed)
         return list(rounds.values())
 
     def _conditional(self, rnd: _Round) -> list[float]:
         return conditional(rnd.draft, self.estimator, rnd.req.drafter or "", rnd.req.request_id)
 
     def _schedule(self, rounds: list[_Round], prefill_tokens: int) -> None:
-        """Cut each draft to the length its policy verifies (dspark: Algorithm 1 over all dspark requests)."""
-        sched = [r for r in rounds if r.req.policy == "dspark" and r.draft.tokens]
+        """Cut each draft to the length its policy verifies (dspark: Algorithm 1 over all dspark requests' chains;
+        a tree is verified whole)."""
+        sched = [r for r in rounds if r.req.policy == "dspark" and r.draft.tokens and r.draft.is_chain]
         if not sched:
             return
         fixed = [(len(r.draft.tokens), self._conditional(r)) for r in rounds if r not in sched]
@@ -366,21 +376,21 @@ class Engine:
             rnd.req.last_verified = n
             rnd.draft = rnd.draft.truncated(n)
 
-    def _verify(self, rounds: list[_Round], logits: torch.Tensor) -> list[list[int]]:
-        """Committed tokens per round (round.verify_batch: each round's rows follow the previous round's)."""
+    def _verify(self, rounds: list[_Round], logits: torch.Tensor) -> list[Verdict]:
+        """Verdicts per round (round.verify_batch: each round's rows follow the previous round's)."""
         return verify_batch(logits, [r.draft for r in rounds], [r.req.params for r in rounds],
                             [r.req.verify for r in rounds], [r.req.generator for r in rounds])
 
     def _commit(
-        self, rnd: _Round, block: list[int], hidden: dict[int, torch.Tensor], logit_rows: list[int],
+        self, rnd: _Round, verdict: Verdict, hidden: dict[int, torch.Tensor], logit_rows: list[int],
         outputs: list[RequestOutput],
     ) -> None:
         req = rnd.req
         k = len(rnd.draft.tokens)
-        num_accepted = len(block) - 1
+        num_accepted = verdict.num_accepted
         n = len(req.tokens)
-        req.cache.truncate(n + num_accepted)  # the anchor and the accepted drafts stay; rejected ones go
-        emitted = req.stopper.extend(block)
+        keep_accepted(req.cache, rnd.draft, verdict, n)  # the anchor and the accepted path stay; the rest goes
+        emitted = req.stopper.extend(verdict.tokens)
         req.tokens.extend(emitted.token_ids)
         req.stats.record_round(k, num_accepted, len(emitted.token_ids))
         self.metrics.record_round(k, num_accepted, len(emitted.token_ids))
@@ -391,7 +401,7 @@ class Engine:
         self._learn_acceptance(req)
         if req.drafter is not None:  # every round, drafted or not, as the reference loop does
             first = logit_rows[rnd.rows]
-            req_hidden = {layer: h[first : first + k + 1] for layer, h in hidden.items()}
+            req_hidden = path_rows({layer: h[first : first + k + 1] for layer, h in hidden.items()}, rnd.draft, verdict)
             self.drafter(req.drafter).accept(Verified(req.seq_id, num_accepted, emitted.token_ids, req_hidden))
         if emitted.finish_reason is None:
             outputs.append(RequestOutput(req.request_id, emitted.token_ids, emitted.text))

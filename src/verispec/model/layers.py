@@ -139,11 +139,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [B, T, d]
         bsz, seqlen, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)  # [B, H, T, D]
-        if isinstance(cache, PackedBatch):  # B == 1: each segment attends to its own cache (masks all causal)
+        if isinstance(cache, PackedBatch):  # B == 1: each segment attends to its own cache with its own mask
             out = torch.cat([
                 self._attend(q[:, :, s.start : s.start + s.length], k[:, :, s.start : s.start + s.length],
-                             v[:, :, s.start : s.start + s.length], s.cache, m)
-                for s, m in zip(cache.segments, cache.masks)
+                             v[:, :, s.start : s.start + s.length], s.cache, m, c)
+                for s, m, c in zip(cache.segments, cache.masks, cache.causal)
             ], dim=2)
         else:
             out = self._attend(q, k, v, cache, mask, causal)

@@ -169,7 +169,8 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: hidden [N, d]}
         """One forward over a ragged batch, each segment after its own cache's committed entries (see PackedBatch).
         Commits every segment's new tokens to its cache."""
-        if self.fused is not None and FusedForward.takes(batch) and self.fused.usable():
+        # decoder.c knows causal segments only: a batch with a draft tree's segment takes the torch path.
+        if self.fused is not None and all(batch.causal) and FusedForward.takes(batch) and self.fused.usable():
             return self.fused.forward_packed(tokens, batch, logit_rows, hidden_layers)
         few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
         with _onednn(enabled=not few_rows):

@@ -1,0 +1,90 @@
+"""EAGLE-2's dynamic draft tree (arXiv 2406.16858; code `eagle/model/cnets.py::topK_genrate`), for any drafter
+that can give the draft distribution q of the next token at a node (a draft model, EAGLE, MTP, Medusa heads).
+
+Each node's value is the product of q along its path (EAGLE-2's V, its stand-in for the probability the node is
+accepted). The tree grows one depth at a time: the `width` new nodes of highest value are expanded with their
+`width` most probable children each; after `depth` levels every node is reranked by value and the best `nodes` are
+verified. A value never exceeds its parent's, so that best set is a connected tree (ties go to the shallower,
+then the earlier node, so a parent always ranks before its children).
+
+Children are chosen, not sampled: the draft carries point masses (q = None), which recursive rejection sampling
+verifies losslessly (verify.rejection_tree_verify), and each node's q(x) as its confidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.config import TreeConfig
+from verispec.drafters.base import Draft
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    token: int
+    parent: int  # index in DynamicTree.nodes, -1 = the anchor
+    depth: int  # 1 for a child of the anchor
+    value: float  # product of q along the path, the node included
+    prob: float  # q(token | its path)
+
+
+class DynamicTree:
+    """One request's tree under construction. The drafter alternates `grow` (given the next-token distributions of
+    the last frontier, -1 = the anchor) with running its model over the frontier `grow` returns, then calls
+    `draft()`."""
+
+    def __init__(self, config: TreeConfig, max_nodes: int) -> None:
+        self.width, self.max_depth, self.max_nodes = config.width, config.depth, max_nodes
+        self.nodes: list[TreeNode] = []
+
+    def grow(
+        self,
+        frontier: list[int],  # [F] nodes the distributions belong to (-1 = the anchor), as the last grow returned
+        probs: torch.Tensor,  # [F, V] q of the token after each of them
+    ) -> list[int]:  # the next frontier: new nodes to run the drafter over (empty once the tree is deep enough)
+        """Add the top-`width` children of every frontier node; return the `width` best new nodes, leaving out any
+        that cannot make the final `max_nodes` (its value is already below that many others')."""
+        top_p, top_x = probs.float().topk(min(self.width, probs.shape[-1]), dim=-1)
+        new, depth = [], 0
+        for parent, ps, xs in zip(frontier, top_p.tolist(), top_x.tolist()):
+            base, depth = (1.0, 1) if parent < 0 else (self.nodes[parent].value, self.nodes[parent].depth + 1)
+            for p, x in zip(ps, xs):
+                if p > 0:  # a token q rules out is never worth verifying
+                    self.nodes.append(TreeNode(x, parent, depth, base * p, p))
+                    new.append(len(self.nodes) - 1)
+        if depth >= self.max_depth or not new:
+            return []
+        place = {i: r for r, i in enumerate(sorted(range(len(self.nodes)), key=self._rank))}
+        return [i for i in sorted(new, key=self._rank)[: self.width] if place[i] < self.max_nodes]
+
+    def _rank(self, i: int) -> tuple[float, int, int]:
+        node = self.nodes[i]
+        return (-node.value, node.depth, i)
+
+    def path(self, i: int) -> list[int]:
+        """Node i's ancestors and itself, root first."""
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.nodes[i].parent
+        return out[::-1]
+
+    def draft(self) -> Draft:
+        """The best `max_nodes` nodes by value (a connected tree), in the order they were added (parents first;
+        siblings by falling q, the order rejection sampling tries them in)."""
+        chosen: set[int] = set()
+        for i in sorted(range(len(self.nodes)), key=self._rank):
+            if len(chosen) == self.max_nodes:
+                break
+            if self.nodes[i].parent < 0 or self.nodes[i].parent in chosen:
+                chosen.add(i)
+        keep = sorted(chosen)
+        index = {i: j for j, i in enumerate(keep)}
+        nodes = [self.nodes[i] for i in keep]
+        return Draft(
+            [n.token for n in nodes],
+            confidence=torch.tensor([n.prob for n in nodes]),
+            parents=tuple(-1 if n.parent < 0 else index[n.parent] for n in nodes),
+        )
