@@ -299,17 +299,44 @@ def test_engine_mixed_chain_and_tree_requests_equal_plain(target, other, plain):
     assert rounds and all(accepted == expected for _, expected, accepted in rounds)
 
 
+class SoftTree(Drafter):
+    """SpecInfer-style trees: every node sampled (with the request's generator) from a q that depends on the
+    position only, and carried with its q row."""
+
+    name = "soft-tree"
+    capabilities = Capabilities(trees=True)
+    PARENTS = (-1, -1, 0, 1, 1)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = []
+        for r in requests:
+            n = min(r.budget, len(self.PARENTS))
+            q = torch.softmax(torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(len(r.tokens))) * 3, -1)
+            tokens = torch.multinomial(q, 1, generator=r.generator).squeeze(1).tolist()
+            out.append(Draft(tokens, q, parents=self.PARENTS[:n]) if n else Draft.chain([]))
+        return out
+
+
 def test_engine_tree_sampling_draws_what_decode_draws(target, other):
-    """A seeded tree request next to chain requests draws exactly what the reference loop draws."""
-    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=21)
+    """Seeded tree requests (point masses and soft q, verified in one call per kind) next to chain requests draw
+    exactly what the reference loop draws."""
     tree = TreeConfig("auto", 3, 3, 8)
-    want = decode(target, PROMPT, params, drafter=ModelDrafter(other, tree), spec=SpecConfig(k=8)).token_ids
-    drafters = {"tree": ModelDrafter(other, tree), "chain": ModelDrafter(other)}
-    engine = Engine(target, None, EngineConfig(k=8, drafter="chain"), drafters=drafters)
-    arrivals = {0: [(PROMPTS[1], GREEDY, RequestSpec(), "c0"), (PROMPT, params, RequestSpec(drafter="tree"), "t")],
-                1: [(PROMPTS[3], replace(params, seed=5), RequestSpec(), "c1")]}
+    cases = {"t0": (PROMPT, 21, "tree"), "t1": (PROMPTS[1], 22, "tree"), "s0": (PROMPTS[2], 23, "soft"),
+             "s1": (PROMPTS[3], 24, "soft")}
+    made = {"tree": lambda: ModelDrafter(other, tree), "soft": SoftTree, "chain": lambda: ModelDrafter(other)}
+    want = {}
+    for rid, (prompt, seed, kind) in cases.items():
+        params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=seed)
+        want[rid] = decode(target, prompt, params, drafter=made[kind](), spec=SpecConfig(k=8)).token_ids
+    engine = Engine(target, None, EngineConfig(k=8, drafter="chain"), drafters={k: f() for k, f in made.items()})
+    sampled = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=5)
+    arrivals = {0: [(PROMPTS[1], GREEDY, RequestSpec(), "c0")], 1: [(PROMPTS[3], sampled, RequestSpec(), "c1")]}
+    for rid, (prompt, seed, kind) in cases.items():
+        arrivals[0].append((prompt, replace(sampled, seed=seed), RequestSpec(drafter=kind), rid))
     results = _run_audited(engine, arrivals)
-    assert results["t"].token_ids == want
+    for rid in cases:
+        assert results[rid].token_ids == want[rid], rid
+    assert engine.metrics.num_accepted_tokens > 0
 
 
 # ------------------------------------------------------------------------------------------------------------

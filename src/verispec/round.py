@@ -6,8 +6,9 @@ A draft is a chain or a tree (`Draft.is_chain`); both commit an accepted path pl
 rolls the cache back by truncation, a tree keeps its accepted path's rows (`KVCache.compact`).
 
 The reference loop verifies one request per round (`verify_round`); the engine verifies every request of a step
-(`verify_batch`): greedy chains in one batched call, the rest each with its own generator (trees one by one), so
-each request draws what it would draw alone and the engine's output equals the reference loop's.
+(`verify_batch`): greedy chains in one batched call, sampled trees in one per kind of q, sampled chains and greedy
+trees one by one; each request draws from its own generator what it would draw alone, so the engine's output
+equals the reference loop's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from verispec.cache import KVCache, tree_mask, tree_positions
 from verispec.config import SamplingParams
 from verispec.drafters.base import Draft, Drafter
-from verispec.verify import greedy_verify, verify_chain, verify_tree
+from verispec.sampling import probs_for
+from verispec.verify import greedy_verify, rejection_tree_verify, verify_chain, verify_tree
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,8 @@ def verify_batch(
     rules: Sequence[str],  # [B] SpecConfig.verify per request
     generators: Sequence[torch.Generator | None],  # [B]
 ) -> list[Verdict]:
-    """Verdicts per request: greedy chains in one batched call; sampled chains and every tree one by one, each
-    with its own RNG (`verify_round`)."""
+    """Verdicts per request: greedy chains in one batched call, sampled trees in one call per kind of q (soft or
+    point masses), sampled chains and greedy trees one by one (`verify_round`); each with its own RNG."""
     starts, row = [], 0
     for d in drafts:
         starts.append(row)
@@ -137,8 +139,31 @@ def verify_batch(
         )
         for i, block in zip(batch, res.rows()):
             out[i] = Verdict(block, tuple(range(len(block) - 1)))
+    trees = [i for i, p in enumerate(params) if not p.greedy and not drafts[i].is_chain]
+    for soft in (False, True):
+        group = [i for i in trees if (drafts[i].probs is not None) == soft]
+        if group:
+            for i, verdict in zip(group, _sample_trees(logits, starts, drafts, params, generators, group)):
+                out[i] = verdict
     for i, d in enumerate(drafts):
         if out[i] is None:
             k = len(d.tokens)
             out[i] = verify_round(logits[starts[i] : starts[i] + k + 1], d, params[i], rules[i], generators[i])
     return out  # type: ignore[return-value]
+
+
+def _sample_trees(
+    logits: torch.Tensor,  # [sum(k_b + 1), V] as verify_batch's
+    starts: list[int], drafts: Sequence[Draft], params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None], group: list[int],  # requests whose trees all have q, or none
+) -> list[Verdict]:
+    """The sampled tree drafts of `group` in one call of verify.rejection_tree_verify (each tree draws from its
+    own generator exactly what it draws alone)."""
+    device = logits.device
+    p = torch.cat([probs_for(logits[starts[i] : starts[i] + len(drafts[i].tokens) + 1], params[i]) for i in group])
+    q = None if drafts[group[0]].probs is None else torch.cat([drafts[i].probs for i in group])  # [N, V]
+    res, paths = rejection_tree_verify(
+        torch.tensor([t for i in group for t in drafts[i].tokens], dtype=torch.long, device=device),
+        torch.tensor([x for i in group for x in drafts[i].parents], dtype=torch.long, device=device),
+        torch.tensor([len(drafts[i].tokens) for i in group], device=device), p, q, [generators[i] for i in group])
+    return [Verdict(row, tuple(path[: len(row) - 1])) for row, path in zip(res.rows(), paths.tolist())]

@@ -36,8 +36,8 @@ class Draft:
 
     Nodes are in topological order: node i continues the path to its parent `parents[i]` (< i), and -1 means it
     follows the anchor directly. A chain x_1..x_k is the tree whose parents are -1, 0, ..., k-2, stored as
-    `parents=None` (`Draft.chain`); every drafter proposes chains today, and decode and the engine verify chains
-    only (`round.check_draft` refuses a tree).
+    `parents=None` (`Draft.chain`). Decode and the engine verify both (round.py); a drafter proposes trees only
+    where its capabilities say `trees` (the model drafter with a tree config, drafters.tree).
     """
 
     tokens: list[int]  # k' <= budget proposed tokens, one per node
