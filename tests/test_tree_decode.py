@@ -366,7 +366,8 @@ def test_dynamic_tree_expands_the_best_nodes_and_keeps_a_connected_top_n():
     tree = DynamicTree(TreeConfig("auto", width=2, depth=3, nodes=4), max_nodes=4)
     root = torch.tensor([[0.6, 0.3, 0.1, 0.0]])
     frontier = tree.grow([-1], root)
-    assert [tree.nodes[i].token for i in frontier] == [0, 1] and [n.value for n in tree.nodes] == pytest.approx([0.6, 0.3])
+    assert [tree.nodes[i].token for i in frontier] == [0, 1]
+    assert [n.value for n in tree.nodes] == pytest.approx([0.6, 0.3])
     frontier = tree.grow(frontier, torch.tensor([[0.1, 0.0, 0.9, 0.0], [0.6, 0.4, 0.0, 0.0]]))
     # new: 0->2 (0.54), 0->0 (0.06), 1->0 (0.18), 1->1 (0.12): the best two are expanded
     assert [(tree.nodes[i].token, round(tree.nodes[i].value, 2)) for i in frontier] == [(2, 0.54), (0, 0.18)]

@@ -197,12 +197,32 @@ def test_point_masses_are_lossless_for_sampled_trees_too():
 NEGATIVE_N = 5_000
 
 
+def _residual_after_the_last_sibling_only(parents):
+    """A mutation of verify._sibling_residual for trees of this one shape (it is called once per node, in index
+    order): a rejected node with a later sibling leaves p as it was, and only the last sibling's rejection takes
+    the residual, so every sibling is tested against the parent's p and the recovered token comes from
+    norm(max(0, p - q_last))."""
+    real, calls = verify._sibling_residual, [0]
+    last = [all(parents[j] != par for j in range(i + 1, len(parents))) for i, par in enumerate(parents)]
+
+    def mutated(p, q, x):
+        i = calls[0] % len(parents)
+        calls[0] += 1
+        return real(p, q, x) if last[i] else p
+
+    return mutated
+
+
+@pytest.mark.parametrize("mutation", ["none-at-all", "after-the-last-sibling-only"])
 @pytest.mark.parametrize("shape", ["wide", "branchy"])
 @pytest.mark.parametrize("mode", ["sampled", "top"])
-def test_negative_control_skipping_the_residual_between_siblings_is_detected(shape, mode, monkeypatch):
-    """Mutation of the library's rule: a rejected sibling leaves p as it was (EAGLE's evaluate_posterior without
-    `gtp[xi] = 0`), so the next sibling and the recovered token are drawn against p, not the residual."""
-    monkeypatch.setattr(verify, "_sibling_residual", lambda p, q, x: p)
+def test_negative_control_skipping_the_residual_between_siblings_is_detected(mutation, shape, mode, monkeypatch):
+    """Mutations of the library's rule that skip the residual update between siblings: with none at all a rejected
+    sibling leaves p as it was (EAGLE's evaluate_posterior without `gtp[xi] = 0`), so the next sibling and the
+    recovered token are drawn against p; with the residual taken after the last sibling only, each sibling is
+    tried against the parent's p."""
+    mutated = (lambda p, q, x: p) if mutation == "none-at-all" else _residual_after_the_last_sibling_only(SHAPES[shape])
+    monkeypatch.setattr(verify, "_sibling_residual", mutated)
     assert _check(shape, mode, pass_q=mode == "sampled", n=NEGATIVE_N)
 
 
