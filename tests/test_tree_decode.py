@@ -22,6 +22,7 @@ from verispec.drafters import Capabilities, Draft, Drafter, DraftRequest, ModelD
 from verispec.drafters.tree import DynamicTree
 from verispec.engine import Engine
 from verispec.errors import ConfigError
+from verispec.profile import StepProfile
 from verispec.round import keep_accepted, tree_inputs, verify_round
 
 VOCAB = 97
@@ -284,14 +285,18 @@ def test_engine_mixed_chain_and_tree_requests_equal_plain(target, other, plain):
         "chain-self": ModelDrafter(target),
         "oracle-tree": OracleTree({}, "deep-branch-last"),
     }
-    engine = Engine(target, None, EngineConfig(k=8, drafter="ngram", prefill_chunk=6), drafters=drafters)
-    specs = ["tree-self", "chain-self", "tree-random", "ngram", "oracle-tree", "none", "tree-self", "oracle-tree"]
+    profile = StepProfile({}, (1, 4, 8, 16, 64), (1.0, 1.1, 1.6, 3.0, 12.0), 0.05, 0)  # as test_engine's
+    engine = Engine(target, None, EngineConfig(k=8, drafter="ngram", prefill_chunk=6), drafters=drafters,
+                    profile=profile)
+    specs = ["tree-self", "chain-self", "tree-random", "ngram", "oracle-tree", "none", "tree-self", "oracle-tree",
+             "model(tree=auto, width=2, depth=2, nodes=4)", "tree-random"]
     arrivals: dict[int, list[tuple]] = {}
     for i, name in enumerate(specs):
         p = i % len(PROMPTS)
         if name == "oracle-tree":  # the engine numbers sequences in arrival order
             drafters[name].prompts[i] = (len(PROMPTS[p]), plain[p])
-        arrivals.setdefault(i // 2 * 2, []).append((PROMPTS[p], GREEDY, RequestSpec(drafter=name), f"r{i}"))
+        spec = RequestSpec(drafter=name, policy="dspark" if i == 9 else None)  # dspark verifies a tree whole
+        arrivals.setdefault(i // 2 * 2, []).append((PROMPTS[p], GREEDY, spec, f"r{i}"))
     results = _run_audited(engine, arrivals)
     for i, name in enumerate(specs):
         assert results[f"r{i}"].token_ids == plain[i % len(PROMPTS)][: GREEDY.max_tokens], f"request {i} ({name})"
