@@ -2,7 +2,7 @@
 # The optional llama.cpp baseline of `verispec bench --llamacpp`, built from source with native CPU flags:
 #   1. llama-cpp-python's sdist (it vendors llama.cpp and its GGUF converter), unpacked;
 #   2. its wheel, built with CMAKE_ARGS=-DGGML_NATIVE=ON and installed into .venv with the `llama` extra;
-#   3. llama.cpp's own llama-speculative, llama-lookup and llama-bench from the same vendored sources.
+#   3. llama.cpp's own llama-speculative, llama-lookup, llama-bench and llama-server from the same vendored sources.
 # All of it is kept per CPU under $VERISPEC_CACHE/llama.cpp/VERSION-CPUKEY (default ~/.cache/verispec), so only the
 # first run on a machine compiles (about 10 minutes on 2 cores); later runs reinstall the cached wheel if needed.
 # Needs .venv (scripts/bootstrap.sh), a C++ compiler and cmake.
@@ -50,8 +50,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$dir" ] || ! "$py" -c "import llama_cpp" 
   echo "$dir" > "$stamp"
 fi
 
-bins=(llama-speculative llama-lookup llama-bench)
-recipe="static, native, log flushed at exit"  # change it to rebuild the binaries of an existing cache
+bins=(llama-speculative llama-lookup llama-bench llama-server)
+recipe="static, native, log flushed at exit, server"  # change it to rebuild the binaries of an existing cache
 if [ "$(cat "$dir/bin/recipe" 2>/dev/null)" != "$recipe" ]; then
   echo "llamacpp.sh: [4/4] building ${bins[*]} (log in $dir/build.log)" >&2
   did=1
@@ -67,7 +67,7 @@ if [ "$(cat "$dir/bin/recipe" 2>/dev/null)" != "$recipe" ]; then
   if command -v ninja >/dev/null; then gen=(-G Ninja); fi
   # static: the binaries do not depend on the wheel's shared libraries
   cmake -S "$src/vendor/llama.cpp" -B "$dir/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "$native" \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON > "$dir/build.log" 2>&1 \
     || { tail -20 "$dir/build.log"; exit 1; }
   nice -n 10 cmake --build "$dir/build" -j "$jobs" --target "${bins[@]}" >> "$dir/build.log" 2>&1 \
@@ -75,6 +75,6 @@ if [ "$(cat "$dir/bin/recipe" 2>/dev/null)" != "$recipe" ]; then
   mkdir -p "$dir/bin"
   for b in "${bins[@]}"; do cp "$dir/build/bin/$b" "$dir/bin/"; done
   echo "$recipe" > "$dir/bin/recipe"
-  rm -rf "$dir/build"  # the objects (hundreds of MB); the three binaries are what is kept
+  rm -rf "$dir/build"  # the objects (hundreds of MB); the binaries are what is kept
 fi
 [ -z "$did" ] || echo "llamacpp.sh: done: llama-cpp-python $version in $venv; binaries in $dir/bin" >&2
