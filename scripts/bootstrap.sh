@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs verispec with its test/bench extras, saying each step and package on
-# stderr (a few minutes the first time; silent once installed).
+# Creates .venv (once) and installs verispec with its test/bench extras (dev; ray for the replica tests), saying
+# each step and package on stderr (a few minutes the first time; silent once installed).
 # torch is pinned and installed first: an unpinned torch resolves to a multi-GB CUDA build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,7 +42,7 @@ python3 -m venv "$venv"
 : > "$venv/pip.log"
 say "[2/3] installing torch 2.13.0 (the CPU build)"
 pip_install torch==2.13.0
-say "[3/3] installing verispec (editable) with its dev extras: transformers, scipy, matplotlib, openai, ..."
-pip_install -e "$root[dev]"
+say "[3/3] installing verispec (editable) with its dev and ray extras: transformers, scipy, matplotlib, openai, ray, ..."
+pip_install -e "$root[dev,ray]"
 touch "$stamp"
 say "ready in ${SECONDS} s"

@@ -27,6 +27,7 @@ from conftest import tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import verispec.serve.app as app_module
+import verispec.serve.guard as guard_module
 from verispec.config import EngineConfig, RequestSpec, SamplingParams
 from verispec.decode import decode
 from verispec.engine.async_engine import AsyncEngine
@@ -1196,13 +1197,13 @@ def test_key_compare_is_constant_time(srv, monkeypatch):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(guard_module.hmac, "compare_digest", spy)
     with httpx.Client(base_url=srv.url, timeout=10) as c:
         assert c.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
         assert c.get("/v1/models", headers=AUTH).status_code == 200
     assert (b"nope", KEY.encode()) in calls and (KEY.encode(), KEY.encode()) in calls
-    tree = ast.parse((SRC / "serve" / "app.py").read_text())
-    compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)
+    trees = [ast.parse((SRC / "serve" / name).read_text()) for name in ("guard.py", "app.py", "router.py")]
+    compares = [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Compare)
                 and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in n.ops)
                 and any(isinstance(x, ast.Attribute) and x.attr == "key" for x in [n.left, *n.comparators])]
     assert not compares, "the API key is compared with == somewhere"

@@ -548,32 +548,80 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="required on every route but /health (or $VERISPEC_API_KEY)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads per engine (with --replicas: default the CPU count divided among the replicas)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="N >= 1: N engine worker processes on loopback behind one endpoint, least-loaded routing, a "
+                        "dead worker restarted (0, the default: one engine in this process)")
+    p.add_argument("--ray", action="store_true",
+                   help="with --replicas: run the replicas as a Ray Serve application (pip install verispec[ray]; "
+                        "attaches to $RAY_ADDRESS's cluster, or starts a local one)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from verispec.api import set_threads
     from verispec.config import EngineConfig
+    from verispec.serve.guard import is_loopback
     from verispec.serve.protocol import ServeLimits
-    from verispec.serve.server import build_state, is_loopback, serve
     from verispec.zoo import default_target
 
-    set_threads(args.threads)
     api_key = args.api_key or os.environ.get("VERISPEC_API_KEY") or None
     if not is_loopback(args.host) and not api_key:
         raise VerispecError(f"refusing to listen on {args.host} without --api-key")
+    limits = ServeLimits(max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.body_timeout)
+    if args.replicas < 0:
+        raise VerispecError(f"--replicas must be >= 0, got {args.replicas}")
+    if args.ray and not args.replicas:
+        raise VerispecError("--ray runs replicas: give --replicas N")
+    if args.replicas and not args.ray:
+        return _serve_replicas(args, api_key, limits)
     config = EngineConfig(
         max_running=args.max_running, max_queued=args.max_queued, cache_budget_tokens=args.cache_budget_tokens,
         policy=args.policy, k=args.k, drafter=None if args.drafter == "none" else args.drafter,
     )
-    state = build_state(args.target or default_target(), config, dtype=args.dtype, api_key=api_key,
+    target = args.target or default_target()
+    if args.ray:
+        from verispec.serve.ray_app import RayServeConfig, run
+
+        run(RayServeConfig(target=str(target), engine=config, replicas=args.replicas, dtype=args.dtype,
+                           api_key=api_key, model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                           drafters=tuple(_specs(args.drafters)), limits=limits, threads=args.threads),
+            args.host, args.port)
+        return 0
+    from verispec.api import set_threads
+    from verispec.serve.server import build_state, serve
+
+    set_threads(args.threads)
+    state = build_state(target, config, dtype=args.dtype, api_key=api_key,
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                        drafters=tuple(_specs(args.drafters)),
-                        limits=ServeLimits(max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.body_timeout))
-    serve(state, args.host, args.port)
+                        drafters=tuple(_specs(args.drafters)), limits=limits)
+    serve(state, args.host, args.port, args.log_level)
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, api_key: str | None, limits) -> int:
+    """The router here, and each replica a `verispec serve` worker process with these engine flags, on loopback."""
+    import os
+    import sys
+
+    from verispec.serve.replicas import ReplicaConfig
+    from verispec.serve.launch import serve_replicas
+    from verispec.zoo import default_target
+
+    target = args.target or default_target()
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    worker = [sys.executable, "-m", "verispec", "serve", "--host", "127.0.0.1", "--target", str(target),
+              "--drafter", args.drafter, "--drafters", args.drafters, "--policy", args.policy, "--k", str(args.k),
+              "--max-running", str(args.max_running), "--max-queued", str(args.max_queued),
+              "--cache-budget-tokens", str(args.cache_budget_tokens), "--max-body-bytes", str(args.max_body_bytes),
+              "--max-tokens-limit", str(args.max_tokens_limit), "--body-timeout", str(args.body_timeout),
+              "--served-model-name", args.served_model_name or Path(target).name, "--dtype", args.dtype,
+              "--threads", str(threads), "--log-level", "warning"]
+    serve_replicas(worker, ReplicaConfig(replicas=args.replicas), args.host, args.port, api_key=api_key,
+                   max_body_bytes=args.max_body_bytes, limits=limits, log_level=args.log_level)
     return 0
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 from verispec.config import DEFAULT_DTYPE, EngineConfig
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
-from verispec.errors import ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
 from verispec.serve.app import ServerState, create_app, is_loopback
 from verispec.serve.chat import ChatTemplate
+from verispec.serve.launch import check_bind, run_app
 from verispec.serve.protocol import ServeLimits
 
 
@@ -36,9 +36,5 @@ def build_state(
 
 
 def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    if not is_loopback(host) and not state.api_key:
-        raise ConfigError(f"refusing to listen on {host} without --api-key: anyone who can reach it could use it")
-    import uvicorn
-
-    uvicorn.run(create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5,
-                h11_max_incomplete_event_size=64 * 1024)
+    check_bind(host, state.api_key)
+    run_app(create_app(state), host, port, log_level)
