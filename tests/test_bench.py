@@ -43,30 +43,34 @@ def test_bench_output_schema(checkpoint_dir, tmp_path):
 
 
 def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
-    """`verispec bench serve` at toy scale: one record per arm x load with the documented fields, the goals
-    computed from them, and the summary and Pareto plot written."""
+    """`verispec bench serve` at toy scale: one closed-loop record per arm x client count and one open-loop record
+    per arm x offered rate with the documented fields, the goals computed from them, and the summary and both
+    plots written."""
     import json
 
-    from verispec.bench.serve import ServeBenchConfig, per_user_at, run
+    from verispec.bench.serve import ServeBenchConfig, run
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
                            min_requests=2, max_tokens=6, max_prompt_tokens=20, dtype="fp32",
-                           poisson_rates=(50.0,), poisson_requests=3)
+                           poisson_rates=(50.0,), poisson_duration_s=0.2, min_prompt_tokens=8)
     report = run(cfg, tmp_path / "out", progress=False)
     names = {r["arm"] for r in report["results"]}
     assert names == {"off", "fixed-1/ngram", "fixed-3/ngram", "batch-table/ngram", "dspark/ngram"}
-    assert len(report["results"]) == 5 * 3
-    for r in report["results"]:
+    assert len(report["results"]) == 5 * 2 and len(report["open_loop"]) == 5
+    for r in report["results"] + report["open_loop"]:
         assert r["aggregate_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert set(r["ttft_s"]) == {"p50", "p90", "p99"} and r["requests"] >= 2
-    assert {g["goal"].split(" (")[0] for g in report["goals"]} >= {
-        "dspark >= 1.5x per-user speed of fixed k=1 at matched aggregate"}
+    for r in report["open_loop"]:
+        assert {"offered_rate", "completed_rate", "queue_slope", "sustained"} <= set(r) and r["failed"] == 0
+    assert set(report["sustained"]) == names
+    assert report["goals"][0]["goal"].startswith("dspark >= 1.6x per-user speed of fixed k=1 at every rate both")
     saved = json.loads((tmp_path / "out" / "serve_results.json").read_text())
     assert saved["results"] == report["results"]
     assert (tmp_path / "out" / "serve_pareto.png").stat().st_size > 0
-    assert "| arm |" in (tmp_path / "out" / "serve_summary.md").read_text()
-    assert per_user_at([(1.0, 10.0), (3.0, 5.0)], 2.0) == 7.5 and per_user_at([(1.0, 10.0)], 2.0) is None
+    assert (tmp_path / "out" / "serve_openloop.png").stat().st_size > 0
+    summary = (tmp_path / "out" / "serve_summary.md").read_text()
+    assert "| arm |" in summary and "## Open loop" in summary and "highest sustained rate" in summary
 
 
 def test_method_labels_tell_specs_of_one_drafter_apart():

@@ -1,0 +1,175 @@
+"""The report of `verispec bench serve`: its goals, summary table and plots (from the JSON report alone, so a
+committed report can be re-rendered).
+
+"Matched throughput" is open loop: two arms are compared at an offered request rate only when both sustain it
+(`bench.openloop`), never by interpolating closed-loop curves (which, once the aggregate saturates, pairs points of
+different concurrency).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from verispec.bench.openloop import RateResult, matched_rates, max_sustained
+
+if TYPE_CHECKING:
+    from verispec.bench.serve import ServeBenchConfig
+
+SPEEDUP_GOAL = 1.6  # dspark's per-user speed over fixed k=1, at every matched rate up to 80% of saturation
+LIGHT_TO = 0.8  # ... "saturation" being the highest rate plain decoding sustains
+KEEP, LOSE = 0.97, 0.90  # at the highest load: dspark keeps 97% of plain's sustained rate, fixed-long at most 90%
+
+
+def _rate_results(open_loop: list[dict], arm: str) -> list[RateResult]:
+    fields = RateResult.__dataclass_fields__
+    return [RateResult(**{k: v for k, v in r.items() if k in fields}) for r in open_loop if r["arm"] == arm]
+
+
+def sustained_rates(open_loop: list[dict], tpot_slo_s: float) -> dict[str, dict]:
+    """Per arm: the highest offered rate it sustains, and the highest it sustains with TPOT p99 within the SLO."""
+    arms = dict.fromkeys(r["arm"] for r in open_loop)
+    return {arm: {"max_sustained_rate": max_sustained(_rate_results(open_loop, arm)),
+                  "max_rate_under_slo": max_sustained(_rate_results(open_loop, arm), tpot_slo_s),
+                  "tpot_slo_s": tpot_slo_s} for arm in arms}
+
+
+def goals(report: dict, cfg: ServeBenchConfig) -> list[dict]:
+    """The issue's goals on the open-loop results (none when the open loop did not run)."""
+    ol = report.get("open_loop") or []
+    if not ol:
+        return []
+    out = []
+    plain = max_sustained(_rate_results(ol, "off"))
+    for d in cfg.drafters:
+        label = d.split(":")[0]
+        dspark, fixed1, fixed_long = f"dspark/{label}", f"fixed-1/{label}", f"fixed-{cfg.long_k}/{label}"
+        limit = LIGHT_TO * plain if plain is not None else None
+        pairs = [(a, b) for a, b in matched_rates(_rate_results(ol, dspark), _rate_results(ol, fixed1))
+                 if limit is not None and a.rate <= limit]
+        ratios = [{"rate": a.rate, "ratio": a.per_user_tokens_per_s / b.per_user_tokens_per_s} for a, b in pairs
+                  if b.per_user_tokens_per_s > 0]
+        worst = min((r["ratio"] for r in ratios), default=None)
+        out.append({"goal": f"dspark >= {SPEEDUP_GOAL:g}x per-user speed of fixed k=1 at every rate both sustain, up to "
+                            f"{LIGHT_TO:.0%} of plain's highest sustained rate ({label})",
+                    "matched_points": ratios, "worst_ratio": worst, "met": worst is not None and worst >= SPEEDUP_GOAL})
+        ds, fl = max_sustained(_rate_results(ol, dspark)), max_sustained(_rate_results(ol, fixed_long))
+        goal = {"goal": f"at the highest load: dspark sustains >= {KEEP:.0%} of plain's highest sustained rate, "
+                        f"fixed-{cfg.long_k} <= {LOSE:.0%} ({label})",
+                "off": plain, "dspark": ds, f"fixed-{cfg.long_k}": fl, "met": False}
+        if plain:
+            goal.update(dspark_vs_off=(ds or 0.0) / plain, fixed_long_vs_off=(fl or 0.0) / plain,
+                        met=(ds or 0.0) >= KEEP * plain and (fl or 0.0) <= LOSE * plain)
+        out.append(goal)
+    return out
+
+
+def summary_markdown(report: dict) -> str:
+    lines = ["# Load benchmark (`verispec bench serve`)", ""]
+    c = report["config"]
+    lines += [f"Target `{c['target']}`, {c['dtype']}, {c['threads']} threads, {c['max_tokens']} new tokens per "
+              f"request (greedy, ignore_eos), prompts from the shipped task sets mixed.", "",
+              "## Closed loop (C clients, each sending its next request when its last one finished)", ""]
+    lines += ["| arm | mode | load | requests | aggregate tok/s | per-user tok/s | τ | verified/round | "
+              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |", "|" + "---|" * 12]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['arm']} | {r['mode']} | {r['load']:g} | {r['requests']} | {r['aggregate_tokens_per_s']:.1f} | "
+            f"{r['per_user_tokens_per_s']:.1f} | {r['tau']:.2f} | {r['mean_verified_per_round']:.2f} | "
+            f"{r['ttft_s'].get('p50', 0) * 1e3:.0f} | {r['ttft_s'].get('p99', 0) * 1e3:.0f} | "
+            f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} |")
+    lines += _open_loop_lines(report)
+    lines += ["", "## Goals", ""]
+    for g in report["goals"]:
+        detail = {k: v for k, v in g.items() if k not in ("goal", "met", "matched_points")}
+        lines.append(f"- {g['goal']}: **{'met' if g['met'] else 'not met'}** "
+                     f"({', '.join(f'{k} {v:.3g}' if isinstance(v, float) else f'{k} {v}' for k, v in detail.items())})")
+    p = report["profile"]
+    lines += ["", "## Step-time profile (SPS)", "", "| tokens per step | ms |", "|---|---|"]
+    lines += [f"| {b} | {s * 1e3:.2f} |" for b, s in zip(p["tokens"], p["seconds"])]
+    lines.append(f"\nEach request beyond the first adds {p['per_request_s'] * 1e3:.2f} ms per step.")
+    lines += ["", "![per-user vs aggregate](serve_pareto.png)", "", "![per-user vs offered rate](serve_openloop.png)",
+              "", "![step-time profile](profile.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    arms = list(dict.fromkeys(r["arm"] for r in results))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for arm in arms:
+        pts = [r for r in results if r["arm"] == arm and r["mode"] == "closed"]
+        xs = [r["aggregate_tokens_per_s"] for r in pts]
+        ys = [r["per_user_tokens_per_s"] for r in pts]
+        style = "-" if arm.startswith("dspark") else ("--" if arm == "off" else ":")
+        ax.plot(xs, ys, style, marker="o", label=arm)
+        for r in pts:
+            ax.annotate(f"{r['load']:g}", (r["aggregate_tokens_per_s"], r["per_user_tokens_per_s"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("aggregate tokens/s")
+    ax.set_ylabel("per-user tokens/s")
+    ax.set_title("per-user versus aggregate throughput (labels: concurrent clients)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _open_loop_lines(report: dict) -> list[str]:
+    ol = report.get("open_loop") or []
+    if not ol:
+        return []
+    c = report["config"]
+    lines = ["", "## Open loop (Poisson arrivals at a fixed offered rate, the same schedule for every arm)", "",
+             f"{c['poisson_duration_s']:g} s of arrivals per rate, prompts of {c['min_prompt_tokens']} to "
+             f"{c['max_prompt_tokens']} tokens. Sustained: completed rate within 2% of offered over the window after "
+             "a 20% warm-up, and the queue (requests in the system) not growing. Arms are compared only at rates "
+             "both sustain.", "",
+             "| arm | offered req/s | realized | completed req/s | queue growth /s | sustained | per-user tok/s | "
+             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |", "|" + "---|" * 11]
+    for r in ol:
+        lines.append(
+            f"| {r['arm']} | {r['rate']:g} | {r['offered_rate']:.2f} | {r['completed_rate']:.2f} | "
+            f"{r['queue_slope']:+.3f} | {'yes' if r['sustained'] else '**no**'} | {r['per_user_tokens_per_s']:.1f} | "
+            f"{r['ttft_s'].get('p50', 0) * 1e3:.0f} | {r['ttft_s'].get('p99', 0) * 1e3:.0f} | "
+            f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} |")
+    slo = c["tpot_slo_s"]
+    lines += ["", f"| arm | highest sustained rate (req/s) | highest with TPOT p99 <= {slo * 1e3:g} ms |", "|---|---|---|"]
+    for arm, s in report["sustained"].items():
+        fmt = lambda x: "none" if x is None else f"{x:g}"  # noqa: E731
+        lines.append(f"| {arm} | {fmt(s['max_sustained_rate'])} | {fmt(s['max_rate_under_slo'])} |")
+    return lines
+
+
+def plot_open_loop(report: dict, path: Path) -> None:
+    """Per-user tokens/s against offered rate, one line per arm; hollow markers where the arm did not sustain."""
+    ol = report.get("open_loop") or []
+    if not ol:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for arm in dict.fromkeys(r["arm"] for r in ol):
+        pts = sorted((r for r in ol if r["arm"] == arm), key=lambda r: r["rate"])
+        style = "-" if arm.startswith("dspark") else ("--" if arm == "off" else ":")
+        line, = ax.plot([r["rate"] for r in pts], [r["per_user_tokens_per_s"] for r in pts], style, label=arm)
+        for r in pts:
+            ax.plot(r["rate"], r["per_user_tokens_per_s"], "o", color=line.get_color(),
+                    markerfacecolor=line.get_color() if r["sustained"] else "none")
+    ax.set_xlabel("offered request rate (req/s, Poisson)")
+    ax.set_ylabel("per-user tokens/s")
+    ax.set_title("open loop: per-user speed at each offered rate (hollow: not sustained)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

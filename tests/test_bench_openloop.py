@@ -1,0 +1,200 @@
+"""The open-loop benchmark's scheduler and sustained-rate logic (bench.openloop, bench.serve_report.goals), driven by
+a fake server on a fake clock: no model, no sleeping. The fake server is a FIFO queue with `slots` servers and a
+fixed service time, its finish times computed when each request is sent, so its capacity is known exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from verispec.bench.openloop import (
+    OpenLoopConfig,
+    RateResult,
+    Timing,
+    assess,
+    matched_rates,
+    max_sustained,
+    poisson_arrivals,
+    queue_slope,
+    run_open_loop,
+)
+
+
+class FakeClock:
+    """Time moves only when the scheduler sleeps until an arrival."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep_until(self, t: float) -> None:
+        self.sleeps.append(t)
+        self.t = max(self.t, t)
+
+
+class FakeServer:
+    """`slots` requests at a time, each taking `service_s` (first token after `ttft_s`), FIFO: capacity is
+    slots / service_s requests per second."""
+
+    def __init__(self, clock: FakeClock, slots: int, service_s: float, tokens: int = 11, ttft_s: float = 0.05,
+                 fail: set[int] = frozenset()) -> None:
+        self.clock, self.service_s, self.tokens, self.ttft_s, self.fail = clock, service_s, tokens, ttft_s, fail
+        self.free = [0.0] * slots  # when each slot is next free
+
+    async def send(self, i: int, t: Timing) -> None:
+        slot = min(range(len(self.free)), key=self.free.__getitem__)
+        start = max(self.clock.now(), self.free[slot])
+        self.free[slot] = start + self.service_s
+        t.first, t.done, t.tokens = start + self.ttft_s, start + self.service_s, self.tokens
+        t.ok = i not in self.fail
+
+
+def run_rate(rate: float, cfg: OpenLoopConfig, slots: int = 2, service_s: float = 0.5, **kw) -> RateResult:
+    clock = FakeClock()
+    server = FakeServer(clock, slots, service_s, **kw)
+    arrivals = poisson_arrivals(rate, cfg.duration_s, random.Random(f"{cfg.seed}:{rate}"))
+    return assess(rate, asyncio.run(run_open_loop(server.send, arrivals, clock)), cfg)
+
+
+CFG = OpenLoopConfig(rates=(1.0, 2.0, 3.0, 6.0), duration_s=400.0, tpot_slo_s=0.06)
+
+
+# ---- arrivals and the scheduler --------------------------------------------------------------------------------
+def test_poisson_arrivals_have_the_rate_and_are_seeded():
+    a = poisson_arrivals(10.0, 1000.0, random.Random(1))
+    assert a == poisson_arrivals(10.0, 1000.0, random.Random(1))
+    assert a == sorted(a) and 0 < a[0] and a[-1] < 1000.0
+    assert abs(len(a) / 1000.0 - 10.0) < 0.3  # ~3 standard deviations of a Poisson count of 10,000
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert abs(sum(gaps) / len(gaps) - 0.1) < 0.005
+    # exponential gaps: about e^-1 of them exceed the mean
+    assert abs(sum(g > 0.1 for g in gaps) / len(gaps) - 0.368) < 0.02
+    assert poisson_arrivals(0.0, 10.0, random.Random(0)) == []
+
+
+def test_scheduler_sends_on_schedule_without_waiting_for_answers():
+    """Open loop: every request is sent at its arrival time even though none has been answered yet."""
+    clock = FakeClock()
+    arrivals = [0.5, 0.7, 2.0, 2.0, 3.25]
+    gate = asyncio.Event()
+    sent_at: list[float] = []
+
+    async def send(i: int, t: Timing) -> None:
+        sent_at.append(clock.now())
+        if len(sent_at) == len(arrivals):
+            gate.set()  # only the last send lets them all finish: a closed loop would wait forever at the first
+        await gate.wait()
+        t.first, t.done, t.tokens = clock.now(), clock.now() + 1, 1
+
+    timings = asyncio.run(asyncio.wait_for(run_open_loop(send, arrivals, clock), timeout=10))
+    assert clock.sleeps == arrivals and sent_at == arrivals
+    assert [t.sent for t in timings] == arrivals and [t.arrival for t in timings] == arrivals
+
+
+def test_a_late_client_reports_its_send_lag():
+    class Slow(FakeClock):
+        async def sleep_until(self, t: float) -> None:
+            self.t = max(self.t, t) + 0.2  # the client itself oversleeps
+
+    clock = Slow()
+    server = FakeServer(clock, 1, 0.01)
+    timings = asyncio.run(run_open_loop(server.send, [1.0, 1.1], clock))
+    assert [t.sent for t in timings] == pytest.approx([1.2, 1.4])  # the lag accumulates when arrivals are close
+    assert assess(1.0, timings, OpenLoopConfig(duration_s=3.0)).send_lag_s == pytest.approx(0.3)
+
+
+# ---- sustained or not ------------------------------------------------------------------------------------------
+def test_below_capacity_is_sustained_above_it_is_not():
+    # capacity 2 slots / 0.5 s = 4 req/s
+    light = run_rate(2.0, CFG)
+    assert light.sustained and light.failed == 0
+    assert light.completed_rate == pytest.approx(light.offered_rate, rel=0.02, abs=1 / 320)
+    assert abs(light.queue_slope) < 0.01
+    over = run_rate(6.0, CFG)
+    assert not over.sustained
+    assert over.completed_rate == pytest.approx(4.0, rel=0.03)  # the server's capacity
+    assert over.queue_slope == pytest.approx(over.offered_rate - 4.0, rel=0.1)  # the backlog grows at the excess
+
+
+def test_just_over_capacity_is_caught_by_the_growing_queue():
+    res = run_rate(4.4, CFG)  # 10% over capacity
+    assert not res.sustained and res.queue_slope > 0.02 * res.offered_rate
+
+
+def test_latency_percentiles_and_per_user_speed():
+    res = run_rate(1.0, CFG, slots=16)  # nobody waits: every request takes exactly the service time
+    assert res.tpot_s["p50"] == pytest.approx((0.5 - 0.05) / 10) == res.tpot_s["p99"]
+    assert res.ttft_s["p99"] == pytest.approx(0.05)
+    assert res.per_user_tokens_per_s == pytest.approx(11 / 0.5)
+
+
+def test_a_failed_request_means_not_sustained():
+    res = run_rate(1.0, CFG, fail={3})
+    assert res.failed == 1 and not res.sustained
+
+
+def test_queue_slope_of_a_known_backlog():
+    # one request arrives every second and none finishes: the system gains one request per second
+    timings = [Timing(float(i), sent=float(i), ok=False) for i in range(100)]
+    assert queue_slope(timings, 10.0, 90.0, 81) == pytest.approx(1.0, rel=0.02)
+    done = [Timing(float(i), sent=float(i), done=i + 0.5) for i in range(100)]
+    assert queue_slope(done, 10.0, 90.0, 81) == pytest.approx(0.0, abs=1e-9)
+
+
+# ---- highest sustained rate, matched rates, goals --------------------------------------------------------------
+def _r(rate: float, sustained: bool, per_user: float = 10.0, tpot_p99: float = 0.05) -> RateResult:
+    return RateResult(rate=rate, requests=10, offered_rate=rate, completed_rate=rate, queue_slope=0.0,
+                      sustained=sustained, per_user_tokens_per_s=per_user, aggregate_tokens_per_s=rate * 10,
+                      tpot_s={"p50": tpot_p99 / 2, "p90": tpot_p99, "p99": tpot_p99})
+
+
+def test_max_sustained_stops_at_the_first_failure_and_honours_the_slo():
+    results = [_r(1, True, tpot_p99=0.02), _r(2, True, tpot_p99=0.08), _r(3, False), _r(4, True)]
+    assert max_sustained(results) == 2  # 4 sustained only after 3 failed: noise, not capacity
+    assert max_sustained(results, tpot_slo_s=0.05) == 1
+    assert max_sustained([_r(1, False)]) is None and max_sustained([]) is None
+
+
+def test_max_sustained_on_the_fake_server_brackets_its_capacity():
+    results = [run_rate(r, CFG) for r in CFG.rates]
+    assert max_sustained(results) == 3.0  # capacity 4 req/s: 3 sustained, 6 not
+    # TPOT under queueing stays the service time's here (the fake server never slows a running request)
+    assert max_sustained(results, tpot_slo_s=0.01) is None
+
+
+def test_matched_rates_pair_only_rates_both_arms_sustain():
+    a = [_r(1, True), _r(2, True), _r(3, True)]
+    b = [_r(1, True), _r(2, False), _r(4, True)]
+    assert [(x.rate, y.rate) for x, y in matched_rates(a, b)] == [(1, 1)]
+
+
+def _open(arm: str, rates: dict[float, tuple[bool, float]]) -> list[dict]:
+    from dataclasses import asdict
+
+    return [{"arm": arm, **asdict(_r(rate, ok, per_user))} for rate, (ok, per_user) in rates.items()]
+
+
+def test_goals_compare_dspark_and_fixed1_only_where_both_sustain():
+    from verispec.bench.serve import ServeBenchConfig
+    from verispec.bench.serve_report import goals, sustained_rates
+
+    cfg = ServeBenchConfig(Path("target"), drafters=("ngram",), long_k=8)
+    ol = (_open("off", {1: (True, 10), 2: (True, 8), 3: (True, 6), 4: (True, 4), 5: (True, 3), 6: (False, 1)})
+          + _open("fixed-1/ngram", {1: (True, 10), 2: (True, 8), 3: (True, 6), 4: (False, 1)})
+          + _open("dspark/ngram", {1: (True, 20), 2: (True, 16), 3: (True, 9), 4: (True, 8), 5: (True, 3)})
+          + _open("fixed-8/ngram", {1: (True, 30), 2: (True, 20), 3: (True, 9), 4: (False, 1)}))
+    report = {"open_loop": ol, "sustained": sustained_rates(ol, 0.1)}
+    speed, load = goals(report, cfg)
+    # plain sustains 5 req/s: rates up to 4 count; fixed-1 sustains 1..3; dspark/fixed-1 = 2.0, 2.0, 1.5
+    assert [p["rate"] for p in speed["matched_points"]] == [1, 2, 3]
+    assert speed["worst_ratio"] == pytest.approx(1.5) and not speed["met"]
+    assert load["off"] == 5 and load["dspark"] == 5 and load["fixed-8"] == 3
+    assert load["met"]  # dspark keeps 100% of plain's rate, fixed-8 keeps 60%
+    assert report["sustained"]["fixed-1/ngram"]["max_sustained_rate"] == 3
+    assert goals({"open_loop": []}, cfg) == []
