@@ -34,6 +34,7 @@ from verispec.cache import KVCache, PackedBatch
 from verispec.config import EngineConfig, RequestSpec, SamplingParams
 from verispec.decode import GenerationResult, validate_prompt
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter
+from verispec.engine.gate import DraftGate
 from verispec.engine.request import Request, RequestOutput
 from verispec.errors import ConfigError, QueueFull
 from verispec.metrics import SpecStats
@@ -55,6 +56,7 @@ class EngineMetrics(SpecStats):
     num_steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     rejected: int = 0  # refused at admission (queue full)
+    undrafted_steps: int = 0  # steps with dspark requests that drafted nothing: drafting did not pay at that load
 
     @property
     def generation_tokens(self) -> int:
@@ -91,6 +93,7 @@ class Engine:
         self._profile = profile
         self.estimator = AcceptanceEstimator(max_k=max(config.k, 16))
         self._draft_s = 0.0  # moving average of a drafting step's time (seconds)
+        self.gate = DraftGate()  # whether steps draft for dspark requests at all, per load
         self.metrics = EngineMetrics()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -291,7 +294,11 @@ class Engine:
         for req in self.running:  # tiered caches start their copy-in while the drafters run
             req.cache.prefetch()
         t0 = time.perf_counter()
-        rounds = self._draft(decoding)
+        gated = any(r.policy == "dspark" and r.drafter is not None for r in decoding)
+        drafting = not gated or self.gate.draft(len(decoding))
+        self.metrics.undrafted_steps += not drafting
+        committed_before = sum(len(r.tokens) for r in decoding)
+        rounds = self._draft(decoding, dspark=drafting)
         elapsed = time.perf_counter() - t0
         if any(r.draft.tokens for r in rounds):  # the drafters' cost per drafting step, for the dspark rule
             self._draft_s = elapsed if not self._draft_s else 0.8 * self._draft_s + 0.2 * elapsed
@@ -334,12 +341,17 @@ class Engine:
         verdicts = self._verify(rounds, logits)
         for rnd, verdict in zip(rounds, verdicts):
             self._commit(rnd, verdict, hidden, logit_rows, outputs)
+        if gated and not prefill and not observed:  # a step that also prefilled pays mostly for the prompt
+            self.gate.record(len(decoding), drafting, sum(len(r.tokens) for r in decoding) - committed_before,
+                             time.perf_counter() - t0)
 
-    def _draft(self, decoding: list[Request]) -> list[_Round]:
+    def _draft(self, decoding: list[Request], dspark: bool = True) -> list[_Round]:
+        """Each decoding request's draft (EMPTY_DRAFT when it drafts nothing); `dspark=False`: the gate found that
+        drafting does not pay at this load, so requests under the dspark policy take a plain step."""
         rounds = {req.request_id: _Round(req, EMPTY_DRAFT) for req in decoding}
         by_drafter: dict[str, list[DraftRequest]] = {}
         for req in decoding:
-            budget = self._budget(req, len(decoding))
+            budget = self._budget(req, len(decoding)) if dspark or req.policy != "dspark" else 0
             needs = self.drafter(req.drafter).capabilities if req.drafter is not None else None
             if len(req.pending) > 1 and needs is not None and (needs.hidden_layers or needs.reads_target_kv):
                 budget = 0  # its context (the prompt's hidden states or KV rows) arrives with this very forward

@@ -35,6 +35,9 @@ def render_metrics(engine: Engine) -> str:
     lines += _line("num_requests_rejected", "counter", "Requests refused because the queue was full.",
                    [({}, m.rejected)])
     lines += _line("engine_steps", "counter", "Engine steps (one target forward each).", [({}, m.num_steps)])
+    lines += _line("engine_undrafted_steps", "counter",
+                   "Steps whose dspark-policy requests drafted nothing because drafting did not pay at that load.",
+                   [({}, m.undrafted_steps)])
     lines += _line("spec_decode_num_drafts", "counter", "Verification rounds with at least one draft token.",
                    [({}, m.num_drafts)])
     lines += _line("spec_decode_num_draft_tokens", "counter", "Draft tokens verified.", [({}, m.num_draft_tokens)])
