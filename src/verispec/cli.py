@@ -232,7 +232,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default=None, help="serve suite: comma-separated client counts")
     p.add_argument("--drafters", default=None, help="serve suite: comma-separated drafter specs (default: ngram, "
                                                     "the zoo's draft model and its dspark drafter)")
-    p.add_argument("--poisson", default=None, help="serve suite: comma-separated open-loop request rates (req/s)")
+    p.add_argument("--poisson", default=None,
+                   help="serve suite: comma-separated open-loop offered rates (req/s, Poisson; '' for none)")
+    p.add_argument("--poisson-duration", type=float, default=None,
+                   help="serve suite: seconds of arrivals per open-loop rate")
+    p.add_argument("--tpot-slo", type=float, default=None,
+                   help="serve suite: TPOT p99 SLO in seconds of the 'highest sustained rate under the SLO'")
     p.add_argument("--steps", type=int, default=150, help="ablation suite: training steps per arm")
     p.add_argument("--arms", default=None, help="ablation suite: comma-separated subset of the arms")
     p.set_defaults(func=cmd_bench)
@@ -305,7 +310,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     overrides = {
         "drafters": drafters, "dtype": args.dtype,
         "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
-        "poisson_rates": tuple(float(r) for r in args.poisson.split(",")) if args.poisson else None,
+        "poisson_rates": tuple(float(r) for r in args.poisson.split(",") if r) if args.poisson is not None else None,
+        "poisson_duration_s": args.poisson_duration, "tpot_slo_s": args.tpot_slo,
         "max_tokens": args.max_tokens,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -314,7 +320,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     report = run(cfg, args.out)
     for g in report["goals"]:
         print(f"goal: {g['goal']}: {'met' if g['met'] else 'not met'}")
-    print(f"wrote {args.out}/serve_results.json, serve_summary.md, serve_pareto.png")
+    print(f"wrote {args.out}/serve_results.json, serve_summary.md, serve_pareto.png, serve_openloop.png")
     return 0
 
 
