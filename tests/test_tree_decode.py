@@ -169,6 +169,8 @@ def test_greedy_scripted_trees_equal_plain_and_keep_the_accepted_path(shape, k, 
     assert oracle.rounds and all(accepted == expected for _, expected, accepted in oracle.rounds)
     assert audit.checks == res.stats.num_rounds
     assert res.stats.num_accepted_tokens == sum(a for _, _, a in oracle.rounds)
+    depth = max(Draft([0] * len(parents), parents=parents).depth for parents, _, _ in oracle.rounds)
+    assert len(res.stats.accepted_per_pos) == depth  # per-position acceptance counts a tree's depths
 
 
 @torch.inference_mode()

@@ -173,7 +173,7 @@ def decode_stream(
             keep_accepted(cache, draft, verdict, n)
             emitted = stopper.extend(verdict.tokens)
             tokens.extend(emitted.token_ids)
-            stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids))
+            stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids), draft.depth)
             if policy is not None:
                 policy.record(propose_s, n, proposed.tokens if proposed.is_chain else [], tokens)
             if stats.num_rounds == 1:

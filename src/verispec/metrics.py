@@ -11,7 +11,8 @@ class SpecStats:
     num_drafts: int = 0  # rounds that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # accepted draft tokens that were also emitted (none after a stop)
-    accepted_per_pos: list[int] = field(default_factory=list)  # [j] = rounds whose position j+1 was accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j] = rounds whose position (a tree's depth) j+1
+    # was accepted
     num_rounds: int = 0  # target forwards after the prefill, drafted or not
     num_output_tokens: int = 0
     ttft_s: float = 0.0
@@ -24,8 +25,9 @@ class SpecStats:
         """elapsed_s after the target's prefill: what speculation can speed up (drafter's prompt pass included)."""
         return self.elapsed_s - self.prefill_s
 
-    def record_round(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
-        """One verification round: `num_emitted` tokens were kept after stop checks (<= num_accepted + 1)."""
+    def record_round(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
+        """One verification round: `num_emitted` tokens were kept after stop checks (<= num_accepted + 1). A tree
+        draft of `num_draft` nodes has `depth` positions (a chain: num_draft); its accepted path counts per depth."""
         self.num_rounds += 1
         self.num_output_tokens += num_emitted
         if num_draft == 0:
@@ -34,8 +36,9 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += counted
-        if len(self.accepted_per_pos) < num_draft:
-            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        positions = num_draft if depth is None else depth
+        if len(self.accepted_per_pos) < positions:
+            self.accepted_per_pos.extend([0] * (positions - len(self.accepted_per_pos)))
         for j in range(counted):
             self.accepted_per_pos[j] += 1
 

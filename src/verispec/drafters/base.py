@@ -68,6 +68,16 @@ class Draft:
         return self.parents is None
 
     @property
+    def depth(self) -> int:
+        """Nodes on the longest root path (a chain's length): the most a round can accept."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 + (depth[p] if p >= 0 else 0))
+        return max(depth, default=0)
+
+    @property
     def node_parents(self) -> tuple[int, ...]:
         """Every node's parent index, chains included (-1, 0, ..., k-2)."""
         return chain_parents(len(self.tokens)) if self.parents is None else self.parents

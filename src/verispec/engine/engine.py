@@ -35,6 +35,7 @@ from verispec.config import EngineConfig, RequestSpec, SamplingParams
 from verispec.decode import GenerationResult, validate_prompt
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter
 from verispec.engine.gate import DraftGate
+from verispec.engine.prefix import PrefixCache, usable_with
 from verispec.engine.request import Request, RequestOutput
 from verispec.errors import ConfigError, QueueFull
 from verispec.metrics import SpecStats
@@ -94,6 +95,8 @@ class Engine:
         self.estimator = AcceptanceEstimator(max_k=max(config.k, 16))
         self._draft_s = 0.0  # moving average of a drafting step's time (seconds)
         self.gate = DraftGate()  # whether steps draft for dspark requests at all, per load
+        self.prefix = (PrefixCache(config.prefix_cache_bytes, config.prefix_block)
+                       if config.prefix_cache_bytes else None)
         self.metrics = EngineMetrics()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -238,6 +241,8 @@ class Engine:
                 return
             self.waiting.popleft()
             req.cache = KVCache.for_model(self.target, max_len=req.reserved, tier=self.config.kv_tier)
+            if self.prefix is not None and usable_with(req.cache, self._reads_prompt(req)):
+                self.prefix.load(req.prompt, req.cache)  # the prefill then starts after the rows it found
             self.reserved_tokens += req.reserved
             req.started = time.perf_counter()
             self.metrics.prompt_tokens += len(req.prompt)
@@ -268,6 +273,14 @@ class Engine:
             stop_reason=stop_reason, stats=req.stats,
         )
         return RequestOutput(req.request_id, token_ids, text, result)
+
+    def _reads_prompt(self, req: Request) -> bool:
+        """Whether the request's drafter needs the prompt's own forward (its hidden states or the KV as written),
+        which rows copied from the prefix cache do not give it."""
+        if req.drafter is None:
+            return False
+        needs = self.drafter(req.drafter).capabilities
+        return bool(needs.hidden_layers) or needs.reads_target_kv
 
     def _budget(self, req: Request, num_decoding: int) -> int:
         """The most draft tokens this request may propose this step (never past max_tokens or the context)."""
@@ -405,10 +418,12 @@ class Engine:
         keep_accepted(req.cache, rnd.draft, verdict, n)  # the anchor and the accepted path stay; the rest goes
         emitted = req.stopper.extend(verdict.tokens)
         req.tokens.extend(emitted.token_ids)
-        req.stats.record_round(k, num_accepted, len(emitted.token_ids))
-        self.metrics.record_round(k, num_accepted, len(emitted.token_ids))
+        req.stats.record_round(k, num_accepted, len(emitted.token_ids), rnd.draft.depth)
+        self.metrics.record_round(k, num_accepted, len(emitted.token_ids), rnd.draft.depth)
         if req.stats.num_rounds == 1:
             req.stats.ttft_s = time.perf_counter() - req.arrival
+            if self.prefix is not None and type(req.cache) is KVCache:  # the whole prompt is in the cache now
+                self.prefix.store(req.prompt, req.cache)
         if rnd.proposed:
             req.shadow.append((n, rnd.proposed))
         self._learn_acceptance(req)
