@@ -256,8 +256,9 @@ def rejection_tree_verify(
     draft_probs: torch.Tensor | None,  # [N, V] the q each node was drawn from given its path; None = point masses
     generators: Sequence[torch.Generator | None],  # [B]
 ) -> tuple[VerifyOutput, torch.Tensor]:  # (committed [B, K+1], accepted path: node indices [B, K], padded)
-    """Lossless sampling over draft trees: SpecInfer's multi-step speculative sampling (Miao et al. 2024,
-    arXiv 2305.09781, Algorithm 2 / Theorem 4.2), which EAGLE's `evaluate_posterior` runs for point masses.
+    """Lossless sampling over draft trees: SpecInfer's multi-step speculative sampling (Miao et al., "SpecInfer:
+    Accelerating Large Language Model Serving with Tree-based Speculative Inference and Verification", ASPLOS 2024,
+    arXiv 2305.09781: token tree verification), which EAGLE's `evaluate_posterior` runs for point masses.
 
     From the anchor, with p = p(anchor): try the current node's children in index order, child x with probability
     min(1, p(x) / q(x)). On acceptance move to x and restart from p = p(x); on rejection set p <- norm(max(0, p - q))
