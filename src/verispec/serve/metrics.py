@@ -35,6 +35,11 @@ def render_metrics(engine: Engine) -> str:
     lines += _line("num_requests_rejected", "counter", "Requests refused because the queue was full.",
                    [({}, m.rejected)])
     lines += _line("engine_steps", "counter", "Engine steps (one target forward each).", [({}, m.num_steps)])
+    prefix = engine.prefix
+    lines += _line("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+                   [({}, prefix.queried_tokens if prefix else 0)])
+    lines += _line("prefix_cache_hits", "counter", "Prompt tokens whose KV rows came from the prefix cache.",
+                   [({}, prefix.hit_tokens if prefix else 0)])
     lines += _line("engine_undrafted_steps", "counter",
                    "Steps whose dspark-policy requests drafted nothing because drafting did not pay at that load.",
                    [({}, m.undrafted_steps)])

@@ -1,0 +1,134 @@
+"""engine.prefix: prompt-prefix KV reuse across requests. Outputs equal plain decoding (fp32, bf16 native,
+seeded sampling), hits are counted, eviction keeps the byte budget, drafters that need the prompt's own forward
+never take copied rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import no_native_reason, tiny_model
+from test_block_drafter import make_block
+
+from verispec.cache import KVCache
+from verispec.config import EngineConfig, RequestSpec, SamplingParams
+from verispec.decode import decode
+from verispec.drafters import BlockDrafter
+from verispec.engine import Engine
+from verispec.engine.prefix import PrefixCache
+from verispec.errors import ConfigError
+from verispec.kernels import native
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+_g = torch.Generator().manual_seed(5)
+SHARED = torch.randint(3, 97, (80,), generator=_g).tolist()  # 2 full blocks of 32 and a partial one
+PROMPTS = [SHARED + torch.randint(3, 97, (n,), generator=_g).tolist() for n in (7, 20, 1)] + [SHARED[:40]]
+
+
+def one_at_a_time(engine: Engine, prompts, params=GREEDY, spec=RequestSpec()) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, spec, request_id=str(i))
+        out.append(engine.run_until_done()[str(i)].token_ids)
+    engine.check_idle()
+    return out
+
+
+def test_keys_name_the_whole_prefix():
+    pc = PrefixCache(1 << 20, block=4)
+    a, b = pc.keys([1, 2, 3, 4, 5, 6, 7, 8, 9]), pc.keys([9, 2, 3, 4, 5, 6, 7, 8])
+    assert len(a) == 2 and len(b) == 2  # full blocks only
+    assert a[1] != b[1]  # the same second block after a different first one is another prefix
+    assert pc.keys([1, 2, 3, 4]) == a[:1]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_greedy_outputs_equal_plain_and_shared_blocks_are_reused(dtype):
+    if dtype == "bf16" and not native.available():
+        pytest.skip(no_native_reason())
+    target = tiny_model(6)
+    if dtype == "bf16":
+        target = target.to(torch.bfloat16).pack_weights()
+    plain = [decode(target, p, GREEDY).token_ids for p in PROMPTS]
+    for drafter in (None, "ngram"):
+        engine = Engine(target, None, EngineConfig(drafter=drafter, prefix_block=32))
+        assert one_at_a_time(engine, PROMPTS) == plain, drafter
+        # the first prompt fills the cache; the next two find both full shared blocks (64 rows); the last one
+        # (40 tokens) finds the first block only
+        assert engine.prefix.hit_tokens == 64 + 64 + 32
+        assert engine.prefix.queried_tokens == sum(len(p) - 1 for p in PROMPTS)
+
+
+def test_concurrent_requests_and_seeded_sampling_match_no_prefix_cache():
+    """Requests in one batch (some arriving after others have cached their prompts), sampled with seeds: the same
+    tokens as an engine without the prefix cache."""
+    target = tiny_model(7)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+    def run(prefix_bytes):
+        engine = Engine(target, None, EngineConfig(drafter="ngram", prefix_cache_bytes=prefix_bytes))
+        got = {}
+        for i, (p, sp) in enumerate(zip(PROMPTS * 2, params * 2)):
+            engine.add_request(p, sp, RequestSpec(), request_id=str(i))
+            if i % 3 == 2:
+                for out in engine.step():
+                    if out.result is not None:
+                        got[out.request_id] = out.result.token_ids
+        got.update({k: v.token_ids for k, v in engine.run_until_done().items()})
+        return engine, got
+
+    cached, with_cache = run(64 << 20)
+    _, without = run(0)
+    assert with_cache == without and cached.prefix.hit_tokens > 0
+
+
+def test_eviction_keeps_the_byte_budget_least_recently_used_first():
+    target = tiny_model(6)
+    cache = KVCache.for_model(target, max_len=200)
+    per_block = 2 * cache.k[:, :, :, :8].numel() * cache.k.element_size()
+    pc = PrefixCache(budget_bytes=2 * per_block, block=8)
+    toks = list(range(3, 40))
+    cache.length = 32  # rows for toks[:32]: four blocks
+    pc.store(toks, cache)
+    assert len(pc.entries) == 2 and pc.nbytes == 2 * per_block  # the first two went out
+    fresh = KVCache.for_model(target, max_len=200)
+    assert pc.load(toks, fresh) == 0  # the prefix's first block is gone, so nothing after it is usable
+    with pytest.raises(ConfigError, match="prefix_cache_bytes"):
+        EngineConfig(prefix_cache_bytes=-1)
+
+
+def test_drafters_that_need_the_prompts_forward_never_take_copied_rows():
+    """A block drafter needs the target's hidden states of the prompt: its requests prefill in full (no hits),
+    and still store their blocks for others."""
+    target = tiny_model(6)
+    block = BlockDrafter(make_block(target, head="markov", confidence=True), target)
+    engine = Engine(target, None, EngineConfig(drafter="blk", k=4), drafters={"blk": block})
+    plain = [decode(target, p, GREEDY).token_ids for p in PROMPTS[:2]]
+    assert one_at_a_time(engine, PROMPTS[:2]) == plain
+    assert engine.prefix.hit_tokens == 0 and engine.prefix.entries
+    assert one_at_a_time(engine, PROMPTS[1:2], spec=RequestSpec(drafter="none")) == plain[1:]
+    assert engine.prefix.hit_tokens == 96  # all three full blocks of that same prompt, stored by its first run
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_copied_rows_equal_the_rows_a_prefill_writes(dtype):
+    """After a hit, the request's cache holds, for its whole prompt, what one prefill of that prompt writes
+    (bit for bit on the native kernels): the copied blocks and the rows computed after them."""
+    if dtype == "bf16" and not native.available():
+        pytest.skip(no_native_reason())
+    target = tiny_model(8)
+    if dtype == "bf16":
+        target = target.to(torch.bfloat16).pack_weights()
+    engine = Engine(target, None, EngineConfig(drafter=None))
+    one_at_a_time(engine, PROMPTS[:1])
+    prompt = PROMPTS[1]
+    engine.add_request(prompt, GREEDY, RequestSpec(), request_id="b")
+    engine.step()  # admitted with 64 copied rows, the rest prefilled, the first token out
+    (req,) = engine.running
+    assert engine.prefix.hit_tokens == 64
+    ref = KVCache.for_model(target, max_len=len(prompt))
+    with torch.inference_mode():
+        target(torch.tensor([prompt]), cache=ref, num_logits=0)
+    n = len(prompt)
+    assert torch.equal(req.cache.k[:, :, :, :n], ref.k[:, :, :, :n])
+    assert torch.equal(req.cache.v[:, :, :, :n], ref.v[:, :, :, :n])
+    engine.run_until_done()
