@@ -123,16 +123,18 @@ def start(cfg: RayServeConfig, host: str = "127.0.0.1", port: int = 8000) -> Non
 
 
 def run(cfg: RayServeConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """`start`, then block until interrupted, then shut the application down."""
-    import time
+    """`start`, then serve until SIGINT or SIGTERM, then shut the application (and a local Ray) down."""
+    import signal
+    import threading
 
+    import ray
     from ray import serve
 
+    stop = threading.Event()
     start(cfg, host, port)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.shutdown()
+    # After ray.init: its failure handler would otherwise take SIGTERM and leave the actors running.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
