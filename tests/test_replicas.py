@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -209,7 +210,8 @@ def router(ckpt):
         mp.undo()
     # The user cache is shared (an empty one would make every worker compile the native kernels first).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
-    rs = ReplicaSet(command, ReplicaConfig(replicas=2, health_period_s=0.5), env=env)
+    rs = ReplicaSet(command, ReplicaConfig(replicas=2, health_period_s=0.5, health_timeout_s=2.0, health_failures=3),
+                    env=env)
     srv = Router(rs).start()
     yield srv
     srv.stop()
@@ -306,7 +308,8 @@ def test_a_killed_replica_fails_its_requests_clearly_and_is_restarted(router, ck
         # least-loaded puts the first of these on the other worker, the second (a tie) beside the stream
         futs = [pool.submit(complete, router.url, p, LONG) for p in PROMPTS[2:4]]
         router.wait_ready(lambda rs: rs[i]["in_flight"] == 2, timeout=30)
-        os.kill(before[i]["pid"], signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the supervisor may have killed the frozen worker first
+            os.kill(before[i]["pid"], signal.SIGKILL)
         fut_stream.result(timeout=60)
         responses = [f.result(timeout=120) for f in futs]
     assert time.monotonic() - t0 < 120
@@ -318,12 +321,23 @@ def test_a_killed_replica_fails_its_requests_clearly_and_is_restarted(router, ck
     assert by_status[0].headers[REPLICA_HEADER] == str(1 - i)
     assert by_status[0].json()["usage"]["completion_tokens"] == LONG
     assert by_status[1].json()["error"]["code"] == "replica_failed"
-    after = router.wait_ready(lambda rs: rs[i]["restarts"] == 1 and all(r["ready"] for r in rs))
+    after = router.wait_ready(lambda rs: rs[i]["restarts"] == before[i]["restarts"] + 1 and all(r["ready"] for r in rs))
     assert after[i]["pid"] != before[i]["pid"] and after[i]["in_flight"] == 0
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         again = list(pool.map(lambda p: complete(router.url, p), PROMPTS))
     assert {r.headers[REPLICA_HEADER] for r in again} == {"0", "1"}
     assert [r.json()["choices"][0]["text"] for r in again] == [expected(ckpt, p, N) for p in PROMPTS]
+
+
+def test_a_wedged_replica_is_killed_and_restarted(router):
+    """A worker that stops answering /ready (frozen: a wedged engine looks the same) is killed after 3 failed
+    polls and started again; the router keeps serving from the other one meanwhile."""
+    before = router.wait_ready(lambda rs: all(r["ready"] for r in rs))
+    os.kill(before[0]["pid"], signal.SIGSTOP)
+    during = complete(router.url, PROMPTS[0])  # whichever worker it lands on, the request must not hang
+    assert during.status_code in (200, 502)
+    after = router.wait_ready(lambda rs: rs[0]["restarts"] == before[0]["restarts"] + 1 and rs[0]["ready"])
+    assert after[0]["pid"] != before[0]["pid"] and after[1]["pid"] == before[1]["pid"]
 
 
 def test_no_ready_replica_is_a_503_with_retry_after():

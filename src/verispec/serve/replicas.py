@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import secrets
@@ -92,11 +93,23 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec (Linux): SIGKILL it when the process that started it dies, so a killed
-    router leaves no orphaned engines holding memory."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+@functools.cache
+def _prctl():
+    """glibc's prctl, resolved in the parent: the child between fork and exec must not load libraries (the
+    loader's lock may be held by another thread of the parent at fork time)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent_preexec():
+    """A preexec_fn (Linux) that has the child SIGKILLed when the thread that started it exits, so a killed router
+    leaves no orphaned engines holding memory; None where prctl is missing."""
+    prctl = _prctl() if sys.platform.startswith("linux") else None
+    if prctl is None:
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -176,9 +189,8 @@ class ReplicaSet:
         r.port = _free_loopback_port()
         env = dict(os.environ if self.env is None else self.env)
         env[WORKER_KEY_ENV] = self.key
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
         r.process = subprocess.Popen([*self.command, "--port", str(r.port)], env=env, stdin=subprocess.DEVNULL,
-                                     preexec_fn=preexec)  # noqa: PLW1509 - prctl only, no locks taken
+                                     preexec_fn=_die_with_parent_preexec())  # noqa: PLW1509 - one prctl call
         r.ready, r.health_misses = False, 0
         r.started_at = r.next_check = time.monotonic()
         log.info("replica %d: started pid %d on 127.0.0.1:%d", r.index, r.process.pid, r.port)
