@@ -12,7 +12,7 @@ from verispec.engine.gate import DraftGate
 
 
 def test_gate_measures_both_then_follows_the_faster_and_probes_the_other():
-    g = DraftGate(probe_every=4)
+    g = DraftGate(probe_every=4, probe_cost=1.0)  # probes as often as probe_every allows
     assert g.draft(8) is True  # nothing measured at this load: draft first
     g.record(8, True, tokens=8, seconds=0.010)  # drafting: 800 tokens/s
     assert g.draft(9) is False  # same bucket (8-15): now measure a plain step
@@ -23,6 +23,25 @@ def test_gate_measures_both_then_follows_the_faster_and_probes_the_other():
     for _ in range(20):  # the text turns easy: drafting pays again and the probes see it
         g.record(10, True, tokens=40, seconds=0.012)
     assert g.draft(10) is True
+
+
+def test_a_much_slower_choice_is_probed_rarely():
+    """Probing costs at most probe_cost of the time: a choice 3x slower is retried every 40 steps, not every 16."""
+    g = DraftGate(probe_every=16, probe_cost=0.05)
+    g.record(32, True, tokens=32, seconds=0.030)  # drafting: 1,067 tokens/s
+    g.record(32, False, tokens=32, seconds=0.010)  # plain: 3,200 tokens/s, 3x faster
+    picks = [g.draft(40) for _ in range(80)]
+    assert [i + 1 for i, p in enumerate(picks) if p] == [40, 80]
+
+
+def test_steps_that_prefill_take_the_better_known_choice_and_are_not_probes():
+    g = DraftGate(probe_every=2, probe_cost=1.0)
+    assert g.draft(4, clean=False) is False  # nothing known: plain while the prompt is being prefilled
+    g.record(4, True, tokens=12, seconds=0.010)
+    assert g.draft(4, clean=False) is False  # plain still unmeasured
+    g.record(4, False, tokens=4, seconds=0.010)
+    assert [g.draft(5, clean=False) for _ in range(4)] == [True] * 4  # drafting is better; no probes
+    assert g.steps == {}  # only clean steps count toward the probe schedule
 
 
 def test_gate_ignores_steps_without_time():

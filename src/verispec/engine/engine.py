@@ -308,7 +308,8 @@ class Engine:
             req.cache.prefetch()
         t0 = time.perf_counter()
         gated = any(r.policy == "dspark" and r.drafter is not None for r in decoding)
-        drafting = not gated or self.gate.draft(len(decoding))
+        clean = not prefill and all(len(r.pending) == 1 for r in decoding)  # no prompt rides along: measurable
+        drafting = not gated or self.gate.draft(len(decoding), clean)
         self.metrics.undrafted_steps += not drafting
         committed_before = sum(len(r.tokens) for r in decoding)
         rounds = self._draft(decoding, dspark=drafting)
@@ -354,7 +355,7 @@ class Engine:
         verdicts = self._verify(rounds, logits)
         for rnd, verdict in zip(rounds, verdicts):
             self._commit(rnd, verdict, hidden, logit_rows, outputs)
-        if gated and not prefill and not observed:  # a step that also prefilled pays mostly for the prompt
+        if gated and clean:  # a step that also prefilled pays mostly for the prompt
             self.gate.record(len(decoding), drafting, sum(len(r.tokens) for r in decoding) - committed_before,
                              time.perf_counter() - t0)
 
