@@ -1,0 +1,187 @@
+"""verispec's HTTP server against llama.cpp's llama-server on the same weights, closed loop over HTTP.
+
+    python scripts/serve_compare.py --clients 1,8,32,64 --out reports/serve-zen5
+
+Each arm is a server process on 127.0.0.1 (verispec plain, verispec with the DSpark drafter and policy, llama-server
+on the target's bf16 GGUF with continuous batching, restarted per load with one slot per client); C clients each send their next
+`/v1/completions` request (greedy, ignore_eos, non-streaming) when the last one returns, over the last 600
+characters of the code task prompts. Per arm and C: aggregate tokens/s (completion tokens over the wall time) and
+per-user tokens/s (each request's completion tokens over its latency, averaged); arms interleaved per C, medians
+over repeats. Beside it, the library's own plain decoding on the same prompts (one process, one request at a time),
+the reference for "the server at 1 client". Needs `bash scripts/llamacpp.sh` for the llama-server arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET, DSPARK = ROOT / "zoo/target", ROOT / "zoo/dspark"
+
+
+def prompts() -> list[str]:
+    from verispec.bench.prompts import load_task
+
+    return [r["prompt"][-600:] for task in ("code_completion", "code_continuation") for r in load_task(task)]
+
+
+def start(arm: str, port: int, threads: int, slots: int) -> tuple[subprocess.Popen, str]:
+    """The arm's server process and the model name its requests use."""
+    if arm == "llama-server":
+        from verispec.bench.llamacpp import build_dir, gguf_file
+
+        binary = build_dir() / "bin" / "llama-server"
+        if not binary.is_file():
+            raise SystemExit(f"error: no {binary}: run `bash scripts/llamacpp.sh`")
+        cmd = [str(binary), "-m", str(gguf_file(TARGET, "bf16")), "-t", str(threads), "-tb", str(threads),
+               "-np", str(slots), "-c", str(slots * 512), "--host", "127.0.0.1", "--port", str(port),
+               "--no-webui", "-a", "target"]
+    else:
+        cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(port), "--threads", str(threads),
+               "--max-running", str(slots)]
+        cmd += (["--drafter", "none"] if arm == "verispec plain" else
+                ["--drafter", f"dspark:{DSPARK}", "--policy", "dspark", "--k", "8"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with httpx.Client(timeout=5) as cl:
+        for _ in range(1200):
+            try:
+                path = "/health" if arm == "llama-server" else "/ready"
+                if cl.get(f"http://127.0.0.1:{port}{path}").status_code == 200:
+                    return proc, "target"
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise SystemExit(f"error: the {arm} server exited ({proc.returncode}): {' '.join(cmd)}")
+            time.sleep(0.25)
+    proc.kill()
+    raise SystemExit(f"error: the {arm} server did not become ready")
+
+
+async def closed_loop(port: int, model: str, texts: list[str], clients: int, per_client: int,
+                      max_tokens: int) -> dict:
+    lat, toks = [], []
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as cl:
+        async def client(c: int) -> None:
+            for j in range(per_client):
+                body = {"model": model, "prompt": texts[(c * 7 + j) % len(texts)], "max_tokens": max_tokens,
+                        "temperature": 0.0, "ignore_eos": True}
+                t0 = time.perf_counter()
+                r = await cl.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                r.raise_for_status()
+                lat.append(time.perf_counter() - t0)
+                toks.append(r.json()["usage"]["completion_tokens"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"aggregate": sum(toks) / wall, "per_user": statistics.mean(n / s for n, s in zip(toks, lat)),
+            "requests": len(lat), "tokens": sum(toks)}
+
+
+def library(texts: list[str], max_tokens: int, threads: int, repeats: int) -> float:
+    """The library's plain decoding, one request at a time, in a process of its own (tokens/s per request)."""
+    code = f"""
+import statistics, time, torch
+from verispec.config import SamplingParams
+from verispec.decode import decode
+from verispec.model.checkpoint import load_model
+from verispec.model.tokenizer import Tokenizer
+torch.set_num_threads({threads})
+t = load_model({str(TARGET)!r}, dtype="bf16"); tok = Tokenizer.from_dir({str(TARGET)!r})
+p = SamplingParams(max_tokens={max_tokens}, temperature=0.0, ignore_eos=True)
+texts = {texts!r}
+decode(t, tok.encode(texts[0]), p)
+rates = []
+for _ in range({repeats}):
+    for x in texts:
+        ids = tok.encode(x); t0 = time.perf_counter(); decode(t, ids, p); rates.append({max_tokens} / (time.perf_counter() - t0))
+print(statistics.median(rates))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", default="1,8,32,64")
+    ap.add_argument("--arms", default="verispec plain,verispec dspark,llama-server")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=64, help="requests per arm and load (at least 2 per client)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare")
+    args = ap.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    arms = [a.strip() for a in args.arms.split(",")]
+    texts = prompts()
+    ports = {arm: 8700 + i for i, arm in enumerate(arms)}
+    # verispec's servers run throughout; llama-server is started per load with one slot per client (its KV cache
+    # is split over its slots, and spare slots cost it: -np 64 ran 8 clients at ~half the speed -np 8 does).
+    servers = {arm: start(arm, ports[arm], args.threads, max(clients)) for arm in arms if arm != "llama-server"}
+    rows = []
+
+    def run(arm: str, c: int, rep: int) -> None:
+        if arm == "llama-server":
+            servers[arm] = start(arm, ports[arm], args.threads, c)
+            asyncio.run(closed_loop(ports[arm], "target", texts, 1, 1, args.max_tokens))  # warm-up
+        try:
+            r = asyncio.run(closed_loop(ports[arm], servers[arm][1], texts, c, max(2, args.requests // c),
+                                        args.max_tokens))
+        finally:
+            if arm == "llama-server":
+                proc = servers.pop(arm)[0]
+                proc.terminate()
+                proc.wait()
+        rows.append({"arm": arm, "clients": c, "repeat": rep, **r})
+        print(f"{arm:16s} C={c:3d} aggregate {r['aggregate']:7.1f} tok/s  per-user {r['per_user']:6.1f}", flush=True)
+
+    try:
+        for arm, (proc, model) in servers.items():  # warm-up: one request each
+            asyncio.run(closed_loop(ports[arm], model, texts, 1, 1, args.max_tokens))
+        lib = [library(texts[:8], args.max_tokens, args.threads, 2)]
+        for rep in range(args.repeats):
+            for c in clients:
+                for arm in arms:
+                    run(arm, c, rep)
+            lib.append(library(texts[:8], args.max_tokens, args.threads, 2))
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"rows": rows, "library_plain": lib}, indent=1))
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
+    flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
+    out = ["# verispec serve vs llama-server, closed loop over HTTP", "",
+           f"Machine: {model}, {args.threads} threads, flags `{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}`;"
+           f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
+           f"--max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}`.", "",
+           f"Library plain decoding on the same prompts (one request at a time): {statistics.median(lib):.1f} tok/s "
+           f"per request (runs: {', '.join(f'{x:.0f}' for x in lib)}).", "",
+           "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
+           "|---|" + "---|---|" * len(arms)]
+    for c in clients:
+        cells = []
+        for a in arms:
+            sel = [r for r in rows if r["arm"] == a and r["clients"] == c]
+            cells += [f"{statistics.median(r['aggregate'] for r in sel):.1f}",
+                      f"{statistics.median(r['per_user'] for r in sel):.1f}"]
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    (args.out / "summary.md").write_text("\n".join(out) + "\n")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
