@@ -127,7 +127,7 @@ def main() -> None:
     texts = prompts()
     ports = {arm: 8700 + i for i, arm in enumerate(arms)}
     # verispec's servers run throughout; llama-server is started per load with one slot per client (its KV cache
-    # is split over its slots, and spare slots cost it: -np 64 ran 8 clients at ~half the speed -np 8 does).
+    # is split over its slots, and spare slots cost it: -np 64 ran 8 clients at two thirds the speed of -np 8).
     servers = {arm: start(arm, ports[arm], args.threads, max(clients)) for arm in arms if arm != "llama-server"}
     rows = []
 
