@@ -64,7 +64,7 @@ class ServeBenchConfig:
     @classmethod
     def quick(cls, target: Path, **kw) -> ServeBenchConfig:
         base = dict(concurrency=(1, 4, 16), requests_per_client=1, min_requests=4, max_tokens=32,
-                    poisson_rates=(1.0, 2.0), poisson_duration_s=10.0)
+                    poisson_rates=(1.0, 2.0), poisson_duration_s=6.0)
         base.update(kw)
         return cls(target, **base)
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -141,7 +141,8 @@ def _failed(lease: Lease, err: Exception) -> JSONResponse:
                        "); it is being restarted: retry the request", "replica_failed")
 
 
-async def _body(resp: httpx.Response, lease: Lease, sse: bool, release) -> AsyncIterator[bytes]:
+async def _body(resp: httpx.Response, lease: Lease, sse: bool,
+                release: Callable[[], None]) -> AsyncIterator[bytes]:
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
@@ -160,7 +161,7 @@ class _Relayed(StreamingResponse):
     """A relayed response that gives its lease back however it ends (a client gone before the first chunk
     cancels the response before the body generator ever runs)."""
 
-    def __init__(self, content: AsyncIterator[bytes], release, **kwargs) -> None:
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], **kwargs) -> None:
         super().__init__(content, **kwargs)
         self._release = release
 
