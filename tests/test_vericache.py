@@ -458,6 +458,14 @@ def test_bad_specs_raise_config_error(spec, match, target):
         _build(spec, target)
 
 
+def test_an_inner_tree_drafter_is_refused(target, draft_dir):
+    """The compressed model verifies its inner drafter's proposals as chains: a tree-drafting inner drafter is a
+    ConfigError naming the fix, and the same drafter with trees off composes."""
+    with pytest.raises(ConfigError, match="tree=off"):
+        _build(f"vericache(compress=streaming, budget=12, draft=model(path={draft_dir}, tree=auto))", target)
+    _build(f"vericache(compress=streaming, budget=12, draft=model(path={draft_dir}, tree=off))", target)
+
+
 def test_shorthand_over_a_structured_spec_builds(target, plain):
     """`name:ARG` whose ARG is a structured spec (`lookup:vericache(compress=..., budget=...)`): the parentheses are
     the argument's, not options given to lookup."""

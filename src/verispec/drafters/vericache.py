@@ -414,4 +414,7 @@ def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: 
         if inner.capabilities.reads_target_kv:
             raise ConfigError(f"vericache draft={inner_spec}: the inner drafter reads the target's KV cache, which "
                               f"only the outer drafter is lent (a compressed-KV drafter cannot nest inside one)")
+        if inner.capabilities.trees:
+            raise ConfigError(f"vericache draft={inner_spec}: the inner drafter proposes trees, and the compressed "
+                              f"model verifies chains; use it with tree=off inside vericache")
     return VeriCacheDrafter(model, compressor, inner, inner_k, adaptive=horizon == "adaptive")
