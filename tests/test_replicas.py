@@ -269,6 +269,32 @@ def test_api_key_guards_every_route_but_health(router, monkeypatch):
     assert httpx.get(f"{router.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"] == "target"
 
 
+def _metric(router, name: str) -> float:
+    """The sum over replicas of one metric."""
+    text = httpx.get(f"{router.url}/metrics", headers=AUTH, timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _running(router) -> float:
+    return _metric(router, "verispec:num_requests_running")
+
+
+def test_a_client_leaving_mid_stream_aborts_the_request_on_its_replica(router):
+    """The router closes its upstream stream when its client goes, and the replica aborts the request (no
+    request decodes to max_tokens for nobody)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True,
+            "speculation": "off"}
+    before = _metric(router, "verispec:generation_tokens_total")
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        next(r.iter_raw())  # the stream has started; leave
+    deadline = time.monotonic() + 10
+    while _running(router) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(router) == 0
+    assert _metric(router, "verispec:generation_tokens_total") - before < LONG  # stopped early, not finished
+    assert all(r["in_flight"] == 0 for r in router.wait_ready(lambda rs: True))
+
+
 def test_metrics_label_every_replica(router):
     complete(router.url, PROMPTS[0])
     text = httpx.get(f"{router.url}/metrics", headers=AUTH, timeout=10).text
