@@ -53,11 +53,14 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
                            min_requests=2, max_tokens=6, max_prompt_tokens=20, dtype="fp32",
-                           poisson_rates=(50.0,), poisson_duration_s=0.2, min_prompt_tokens=8)
+                           poisson_rates=(50.0, 100.0), poisson_duration_s=0.2, min_prompt_tokens=8)
     report = run(cfg, tmp_path / "out", progress=False)
     names = {r["arm"] for r in report["results"]}
     assert names == {"off", "fixed-1/ngram", "fixed-3/ngram", "batch-table/ngram", "dspark/ngram"}
-    assert len(report["results"]) == 5 * 2 and len(report["open_loop"]) == 5
+    assert len(report["results"]) == 5 * 2
+    for arm in names:  # the second rate runs only where the first was sustained
+        rates = [r for r in report["open_loop"] if r["arm"] == arm]
+        assert [r["rate"] for r in rates] == ([50.0, 100.0] if rates[0]["sustained"] else [50.0])
     for r in report["results"] + report["open_loop"]:
         assert r["aggregate_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert set(r["ttft_s"]) == {"p50", "p90", "p99"} and r["requests"] >= 2

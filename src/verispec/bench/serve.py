@@ -59,6 +59,9 @@ class ServeBenchConfig:
     dtype: str = DEFAULT_DTYPE
     max_prompt_tokens: int = 384
     min_prompt_tokens: int = 64  # open-loop prompts are cut to lengths drawn uniformly from [min, max]
+    # Higher rates than one an arm did not sustain are skipped for it: they cannot raise its highest sustained rate
+    # (`openloop.max_sustained`) and each would end with a long backlog to drain.
+    skip_above_unsustained: bool = True
     seed: int = 0
 
     @classmethod
@@ -223,7 +226,10 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                     print(f"  {arm.name:22s} closed {clients:5d}: aggregate {res.aggregate_tokens_per_s:7.1f} tok/s, "
                           f"per user {res.per_user_tokens_per_s:6.1f} tok/s, tau {res.tau:.2f}, "
                           f"ttft p50 {res.ttft_s.get('p50', 0) * 1e3:6.0f} ms", flush=True)
-            for rate, arrivals in schedules.items():
+            for rate, arrivals in sorted(schedules.items()):
+                if cfg.skip_above_unsustained and any(r["arm"] == arm.name and not r["sustained"]
+                                                      for r in open_results):
+                    break
                 rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
                 open_results.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
                                      **asdict(rr)})

@@ -130,7 +130,8 @@ def _open_loop_lines(report: dict) -> list[str]:
              f"{c['poisson_duration_s']:g} s of arrivals per rate, prompts of {c['min_prompt_tokens']} to "
              f"{c['max_prompt_tokens']} tokens. Sustained: completed rate within 2% of offered over the window after "
              "a 20% warm-up, and the queue (requests in the system) not growing. Arms are compared only at rates "
-             "both sustain.", "",
+             "both sustain." + (" Rates above the first one an arm did not sustain are not run for it."
+                                if c.get("skip_above_unsustained") else ""), "",
              "| arm | offered req/s | realized | completed req/s | queue growth /s | sustained | per-user tok/s | "
              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |", "|" + "---|" * 11]
     for r in ol:
