@@ -98,14 +98,6 @@ def application(cfg: RayServeConfig):
     return deployment.bind(cfg)
 
 
-def build(args: dict[str, str]):
-    """For `serve run verispec.serve.ray_app:build target=/models/target replicas=4 ...` (Ray's application
-    builder: string arguments; engine flags through `verispec serve --ray` instead)."""
-    return application(RayServeConfig(target=args["target"], replicas=int(args.get("replicas", 2)),
-                                      dtype=args.get("dtype", DEFAULT_DTYPE), api_key=args.get("api_key"),
-                                      num_cpus=float(args.get("num_cpus", 1.0))))
-
-
 def start(cfg: RayServeConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Attach to the cluster at $RAY_ADDRESS (or start a local one, without dashboard or usage reporting) and run
     the application with Ray's proxy on host:port."""
