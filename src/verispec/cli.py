@@ -543,6 +543,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     p.add_argument("--max-queued", type=int, default=EngineConfig.max_queued)
     p.add_argument("--cache-budget-tokens", type=int, default=EngineConfig.cache_budget_tokens)
+    p.add_argument("--prefix-cache-mb", type=int, default=EngineConfig.prefix_cache_bytes >> 20,
+                   help="MiB of prompt-prefix KV rows kept for reuse across requests (0: off)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-tokens-limit", type=int, default=ServeLimits.max_tokens_limit,
                    help="the most new tokens one request may ask for; also a chat request's default "
@@ -578,6 +580,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and not api_key:
         raise VerispecError(f"refusing to listen on {args.host} without --api-key")
     limits = ServeLimits(max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.body_timeout)
+    if args.prefix_cache_mb < 0:
+        raise VerispecError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if args.replicas < 0:
         raise VerispecError(f"--replicas must be >= 0, got {args.replicas}")
     if args.ray and not args.replicas:
@@ -587,6 +591,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(
         max_running=args.max_running, max_queued=args.max_queued, cache_budget_tokens=args.cache_budget_tokens,
         policy=args.policy, k=args.k, drafter=None if args.drafter == "none" else args.drafter,
+        prefix_cache_bytes=args.prefix_cache_mb << 20,
     )
     target = args.target or default_target()
     if args.ray:
@@ -622,7 +627,8 @@ def _serve_replicas(args: argparse.Namespace, api_key: str | None, limits) -> in
     worker = [sys.executable, "-m", "verispec", "serve", "--host", "127.0.0.1", "--target", str(target),
               "--drafter", args.drafter, "--drafters", args.drafters, "--policy", args.policy, "--k", str(args.k),
               "--max-running", str(args.max_running), "--max-queued", str(args.max_queued),
-              "--cache-budget-tokens", str(args.cache_budget_tokens), "--max-body-bytes", str(args.max_body_bytes),
+              "--cache-budget-tokens", str(args.cache_budget_tokens), "--prefix-cache-mb", str(args.prefix_cache_mb),
+              "--max-body-bytes", str(args.max_body_bytes),
               "--max-tokens-limit", str(args.max_tokens_limit), "--body-timeout", str(args.body_timeout),
               "--served-model-name", args.served_model_name or Path(target).name, "--dtype", args.dtype,
               "--threads", str(threads), "--log-level", "warning"]
