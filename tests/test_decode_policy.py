@@ -184,6 +184,24 @@ def test_step_time_grows_with_the_context_past_the_measured_one():
     assert len(policy.cut(draft, context=100).tokens) > len(policy.cut(draft, context=3000).tokens)
 
 
+def test_a_disturbed_profile_is_used_but_not_cached(monkeypatch, tmp_path):
+    """Even token counts 2x their odd neighbours (seen while another process kept both cores busy): load_or_measure
+    returns it for this process and measures again in the next; a clean one is cached."""
+    import verispec.profile as profile
+
+    monkeypatch.setattr(profile, "cache_dir", lambda: tmp_path)
+    target = tiny_model(max_position_embeddings=512)
+    for jagged in (True, False):
+        def fake(target, caches, lengths, context, jagged=jagged):
+            rows = sum(lengths)
+            return 1e-3 + 1e-4 * rows + (2e-3 if jagged and rows % 2 == 0 and len(lengths) == 1 else 0.0)
+
+        monkeypatch.setattr(profile, "_time_step", fake)
+        prof = profile.load_or_measure(target)
+        assert profile.disturbed(prof) is jagged
+        assert profile.cache_path(profile.profile_key(target)).is_file() is not jagged
+
+
 def test_measured_profile_fits_the_context_axis(monkeypatch):
     """measure() fits kv_read_s and kv_row_s from its long-context probe: on a synthetic step cost with known
     coefficients it recovers them (timing noise left out)."""

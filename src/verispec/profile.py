@@ -125,8 +125,11 @@ def measure(
     target: Transformer, token_counts: tuple[int, ...] = DEFAULT_TOKENS, context: int = 128, repeats: int = 15,
     progress: bool = False,
 ) -> StepProfile:
-    """Medians of `repeats` rounds, each timing every point once in turn: on a shared, noisy machine a slow moment
-    then spreads over all points instead of bending the curve at a few (the dspark rule reads its slope)."""
+    """The 20th percentile of `repeats` rounds, each timing every point once in turn: on a shared, noisy machine a
+    slow moment then spreads over all points instead of bending the curve at a few (the dspark rule reads its
+    slope), and a low quantile rather than the median, because contention only ever adds time: a profile measured
+    while another process kept both cores busy had every even token count (split over two threads) 1.4-2.6x its
+    odd neighbours, which made the dspark rule cut drafts that paid."""
     limit = target.config.context_limit
     token_counts = tuple(b for b in token_counts if b <= limit // 2) or (1,)
     max_b = max(*token_counts, 16)  # 8 and 16: the per-request and long-context probes below
@@ -151,7 +154,7 @@ def measure(
             t = _time_step(target, cs, lengths, ctx)
             if rep:
                 times[i].append(t)
-    med = [statistics.median(t) for t in times]
+    med = [statistics.quantiles(t, n=5)[0] if len(t) > 1 else t[0] for t in times]
     n = len(token_counts)
     seconds = med[:n]
     if progress:
@@ -167,6 +170,13 @@ def measure(
     return StepProfile(profile_key(target), tuple(token_counts), tuple(seconds), per_request, context, kv_read, kv_row)
 
 
+def disturbed(prof: StepProfile, dip: float = 1.3) -> bool:
+    """Whether a measured profile shows the marks of a busy machine: a token count that cost more than `dip` times
+    a larger one (a step never gets cheaper with more tokens; noise this large is another process's)."""
+    worst_after = list(itertools.accumulate(reversed(prof.seconds), min))[::-1]  # min over this and larger counts
+    return any(s > dip * later for s, later in zip(prof.seconds, worst_after[1:]))
+
+
 def load_or_measure(target: Transformer, progress: bool = False, refresh: bool = False) -> StepProfile:
     """The cached profile for this model, dtype, thread count and device, measured (and cached) if missing."""
     key = profile_key(target)
@@ -179,6 +189,8 @@ def load_or_measure(target: Transformer, progress: bool = False, refresh: bool =
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is measured again
     prof = measure(target, progress=progress)
+    if disturbed(prof):  # used this once, measured again by the next process rather than cached
+        return prof
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(prof.to_json())
