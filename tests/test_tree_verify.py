@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _markov import markov_logits, pairwise_failures, processed
+from test_verify_stats import _one_thread  # noqa: F401  (autouse: one intra-op thread for these small ops)
 
 from verispec import verify
 from verispec.config import SamplingParams
@@ -31,14 +32,6 @@ SHAPES = {
     "branchy": (-1, -1, 0, 0, 1),
     "deep-second": (-1, -1, 1, 2, 1),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _peaked(ids: list[int], vocab: int = 10) -> torch.Tensor:

@@ -64,7 +64,9 @@ class Compressor(ABC):
         """Bring `view` within budget after new committed rows were appended."""
 
     def rebuild(self, full: KVCache, view: KVCache, queries: QueryFn) -> None:
-        raise NotImplementedError
+        """Refill `view` from the whole `full` cache; CompressedView.sync calls it only where `rebuilds` is True
+        (Retrieval, which overrides it), so reaching this is a compressor that claims rebuilds without one."""
+        raise NotImplementedError(f"{type(self).__name__} says it rebuilds but has no rebuild")
 
     def nbytes(self, view: KVCache) -> int:
         """Bytes the view's committed rows take in this compressor's storage format."""

@@ -207,15 +207,14 @@ class VeriCacheDrafter(Drafter):
         # Greedy sequences without an inner drafter draft in lockstep: one packed forward a step over all views
         # (N steps of B rows instead of B x N one-row steps). The rest draft one by one.
         together = [i for i, r in enumerate(requests) if r.budget > 0 and self.inner is None and r.params.greedy]
-        if len(together) > 1:
-            for i, d in zip(together, self._propose_greedy_together([requests[i] for i in together])):
-                drafts[i] = d
-            together = set(together)
-        else:
-            together = set()
-        for i, r in enumerate(requests):
-            if r.budget > 0 and i not in together:
-                drafts[i] = self._propose_one(r)
+        if len(together) < 2:
+            together = []
+        for i, d in zip(together, self._propose_greedy_together([requests[i] for i in together])):
+            drafts[i] = d
+        alone = set(range(len(requests))) - set(together)
+        for i in sorted(alone):
+            if requests[i].budget > 0:
+                drafts[i] = self._propose_one(requests[i])
         return drafts
 
     def _begin(self, r: DraftRequest) -> int:

@@ -46,9 +46,10 @@ def release_openmp_threads() -> int:
     soft); the number of runtimes that did. Linux only (the runtimes are found in /proc/self/maps); 0 elsewhere.
 
     Each thread that enters a parallel region keeps a pool of workers. libgomp counts every pool's threads, and
-    once they outnumber the CPUs its workers stop spinning between regions and sleep instead: a one-token step
-    runs ~40 regions, and waking the workers for each made the engine's steps 2.4x slower on its loop thread than
-    on the thread that loaded the model (3.6 vs 1.5 ms on 2 vCPUs). The loading thread's pool, released once the
+    once they outnumber the CPUs its workers stop spinning between regions and sleep instead: a step runs a
+    parallel region per matmul and attention call, and waking the workers for each made the engine's steps 2.4x
+    slower on its loop thread than on the thread that loaded the model (one-token step 3.6 vs 1.5 ms, Zen 5,
+    2 vCPUs). The loading thread's pool, released once the
     model is ready, leaves the loop thread the only one with workers."""
     try:
         with open("/proc/self/maps") as maps:

@@ -35,7 +35,7 @@ from verispec.config import EngineConfig, RequestSpec, SamplingParams
 from verispec.decode import GenerationResult, validate_prompt
 from verispec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter
 from verispec.engine.gate import DraftGate
-from verispec.engine.prefix import PrefixCache, usable_with
+from verispec.engine.prefix import PrefixCache
 from verispec.engine.request import Request, RequestOutput
 from verispec.errors import ConfigError, QueueFull
 from verispec.metrics import SpecStats
@@ -241,7 +241,7 @@ class Engine:
                 return
             self.waiting.popleft()
             req.cache = KVCache.for_model(self.target, max_len=req.reserved, tier=self.config.kv_tier)
-            if self.prefix is not None and usable_with(req.cache, self._reads_prompt(req)):
+            if self.prefix is not None and self.prefix.takes(req.cache) and not self._reads_prompt(req):
                 self.prefix.load(req.prompt, req.cache)  # the prefill then starts after the rows it found
             self.reserved_tokens += req.reserved
             req.started = time.perf_counter()
@@ -311,7 +311,7 @@ class Engine:
         clean = not prefill and all(len(r.pending) == 1 for r in decoding)  # no prompt rides along: measurable
         drafting = not gated or self.gate.draft(len(decoding), clean)
         self.metrics.undrafted_steps += not drafting
-        committed_before = sum(len(r.tokens) for r in decoding)
+        emitted_before = self.metrics.num_output_tokens
         rounds = self._draft(decoding, dspark=drafting)
         elapsed = time.perf_counter() - t0
         if any(r.draft.tokens for r in rounds):  # the drafters' cost per drafting step, for the dspark rule
@@ -356,7 +356,7 @@ class Engine:
         for rnd, verdict in zip(rounds, verdicts):
             self._commit(rnd, verdict, hidden, logit_rows, outputs)
         if gated and clean:  # a step that also prefilled pays mostly for the prompt
-            self.gate.record(len(decoding), drafting, sum(len(r.tokens) for r in decoding) - committed_before,
+            self.gate.record(len(decoding), drafting, self.metrics.num_output_tokens - emitted_before,
                              time.perf_counter() - t0)
 
     def _draft(self, decoding: list[Request], dspark: bool = True) -> list[_Round]:
@@ -366,8 +366,7 @@ class Engine:
         by_drafter: dict[str, list[DraftRequest]] = {}
         for req in decoding:
             budget = self._budget(req, len(decoding)) if dspark or req.policy != "dspark" else 0
-            needs = self.drafter(req.drafter).capabilities if req.drafter is not None else None
-            if len(req.pending) > 1 and needs is not None and (needs.hidden_layers or needs.reads_target_kv):
+            if len(req.pending) > 1 and self._reads_prompt(req):
                 budget = 0  # its context (the prompt's hidden states or KV rows) arrives with this very forward
             if req.drafter is not None and budget > 0:
                 by_drafter.setdefault(req.drafter, []).append(
@@ -423,7 +422,7 @@ class Engine:
         self.metrics.record_round(k, num_accepted, len(emitted.token_ids), rnd.draft.depth)
         if req.stats.num_rounds == 1:
             req.stats.ttft_s = time.perf_counter() - req.arrival
-            if self.prefix is not None and type(req.cache) is KVCache:  # the whole prompt is in the cache now
+            if self.prefix is not None and self.prefix.takes(req.cache):  # the whole prompt is in the cache now
                 self.prefix.store(req.prompt, req.cache)
         if rnd.proposed:
             req.shadow.append((n, rnd.proposed))
