@@ -139,12 +139,14 @@ static const uint16_t BF16_NIBBLE[32] __attribute__((aligned(64))) = {
     0xC080, 0xC040, 0xC000, 0xBF80};
 
 /* int4 weights, bf16 x: the same chain through vdpbf16ps. x as bf16 pairs, x[p * R + m] = bits of x[m, 2p] |
- * x[m, 2p + 1] << 16 (gemm.c's); vpermw reads a 16-bit index's low 5 bits, so the table repeats its 16 values. */
-static inline __attribute__((always_inline)) void tile_dp4(const int R, const int NV, const uint32_t *x, int64_t G2,
-                                                           int64_t groups, const char *w, int64_t bstride,
-                                                           const float *bias, void *y, int64_t N, int out_bf16,
-                                                           int64_t n0) {
-    const int64_t gbytes = G2 * BLOCK + SCALE_BYTES;
+ * x[m, 2p + 1] << 16 (gemm.c's); vpermw reads a 16-bit index's low 5 bits, so the table repeats its 16 values.
+ * UNPACKED: w is unpack_dp4's scratch instead of the packed stream (a pair's 16 columns already bf16 pairs, 64
+ * bytes): prefills unpack each block once rather than once per 6 rows; the same chain either way. */
+static inline __attribute__((always_inline)) void tile_dp4(const int R, const int NV, const int UNPACKED,
+                                                           const uint32_t *x, int64_t G2, int64_t groups,
+                                                           const char *w, int64_t bstride, const float *bias,
+                                                           void *y, int64_t N, int out_bf16, int64_t n0) {
+    const int64_t pb = UNPACKED ? 4 * BLOCK : BLOCK, gbytes = G2 * pb + SCALE_BYTES; /* bytes per pair, group */
     const __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
     float acc[MR_TALL][NV_WIDE][VW] __attribute__((aligned(64)));
     _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
@@ -157,11 +159,12 @@ static inline __attribute__((always_inline)) void tile_dp4(const int R, const in
         const uint32_t *xg = x + g * G2 * R;
         for (int64_t p0 = 0; p0 < G2; p0 += 4) {
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
-                const char *wv = wg + v * bstride + p0 * BLOCK;
-                _mm_prefetch(wv + PREFETCH, PF_HINT);
+                const char *wv = wg + v * bstride + p0 * pb;
+                if (!UNPACKED) _mm_prefetch(wv + PREFETCH, PF_HINT);
                 const __m512i e = _mm512_loadu_si512((const void *)wv);
                 _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-                    const __m512bh wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut);
+                    const __m512bh wb = UNPACKED ? (__m512bh)_mm512_loadu_si512((const void *)(wv + t * 4 * BLOCK))
+                                                 : (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut);
                     const uint32_t *xp = xg + (p0 + t) * R;
                     _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
                         s[m][v] = _mm512_dpbf16_ps(s[m][v], wb, (__m512bh)_mm512_set1_epi32((int)xp[m]));
@@ -169,7 +172,7 @@ static inline __attribute__((always_inline)) void tile_dp4(const int R, const in
             }
         }
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
-            const vf sc = vloadf((const float *)(wg + v * bstride + G2 * BLOCK));
+            const vf sc = vloadf((const float *)(wg + v * bstride + G2 * pb));
             _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
                 vstoref(acc[m][v], vfma(s[m][v], sc, vloadf(acc[m][v])));
         }
@@ -178,6 +181,23 @@ static inline __attribute__((always_inline)) void tile_dp4(const int R, const in
     _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
         _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
             store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
+}
+
+/* One int4 block's packed stream -> the same stream with each pair's nibbles as bf16 pairs (64 bytes a pair, the
+ * exact values vpermw gives), the scales copied: tile_dp4's UNPACKED input. */
+static void unpack_dp4(const char *wb, int64_t G2, int64_t groups, char *out) {
+    const __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
+    for (int64_t g = 0; g < groups; g++) {
+        const char *wg = wb + g * (G2 * BLOCK + SCALE_BYTES);
+        char *og = out + g * (G2 * 4 * BLOCK + SCALE_BYTES);
+        for (int64_t p0 = 0; p0 < G2; p0 += 4) {
+            const __m512i e = _mm512_loadu_si512((const void *)(wg + p0 * BLOCK));
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
+                _mm512_storeu_si512((void *)(og + (p0 + t) * 4 * BLOCK),
+                                    _mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut));
+        }
+        memcpy(og + G2 * 4 * BLOCK, wg + G2 * BLOCK, SCALE_BYTES);
+    }
 }
 #endif
 
@@ -194,8 +214,10 @@ typedef void (*qtile_fn)(const void *x, int64_t G2, int64_t groups, const char *
     }
 #define TILE_4(R, NV, x, ...) tile_q(R, NV, 4, (const float *)(x), __VA_ARGS__)
 #define TILE_8(R, NV, x, ...) tile_q(R, NV, 8, (const float *)(x), __VA_ARGS__)
-#define TILE_dp4(R, NV, x, G2, groups, w, bstride, sxo, ...) tile_dp4(R, NV, (const uint32_t *)(x), G2, groups, w, \
-                                                                     bstride, __VA_ARGS__)
+#define TILE_dp4(R, NV, x, G2, groups, w, bstride, sxo, ...) tile_dp4(R, NV, 0, (const uint32_t *)(x), G2, groups, \
+                                                                     w, bstride, __VA_ARGS__)
+#define TILE_dpu4(R, NV, x, G2, groups, w, bstride, sxo, ...) tile_dp4(R, NV, 1, (const uint32_t *)(x), G2, groups, \
+                                                                      w, bstride, __VA_ARGS__)
 #if VW == 16
 #define INST_WIDE(B, R) INST1(B, R, 1) INST1(B, R, 2) INST1(B, R, 3) INST1(B, R, 4)
 #define INST_TALL(B, R) INST1(B, R, 1) INST1(B, R, 2)
@@ -218,6 +240,41 @@ INST_ALL(4)
 INST_ALL(8)
 #if defined(__AVX512BF16__)
 INST_ALL(dp4)
+INST_WIDE(dpu4, 1) INST_WIDE(dpu4, 2) INST_WIDE(dpu4, 3) INST_WIDE(dpu4, 4) INST_WIDE(dpu4, 5) INST_WIDE(dpu4, 6)
+static const qtile_fn qdpu4_table[MR_WIDE + 1][NV_WIDE] = {
+    {0}, ROW_WIDE(dpu4, 1), ROW_WIDE(dpu4, 2), ROW_WIDE(dpu4, 3), ROW_WIDE(dpu4, 4), ROW_WIDE(dpu4, 5),
+    ROW_WIDE(dpu4, 6)};
+
+/* bf16 x on int4 past 12 rows (prefills): each unit's blocks unpacked once into per-thread scratch (unpack_dp4),
+ * then 6-row wide tiles over it. Returns 0, or -1 if out of memory. */
+static int qlinear_dpu4(const uint32_t *xbuf, int64_t M, int64_t G2, int64_t groups, const char *wp,
+                        int64_t bstride, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+    const int64_t nvec = (N + BLOCK - 1) / BLOCK, units = (nvec + NV_WIDE - 1) / NV_WIDE, K2 = groups * G2;
+    const int64_t ustride = groups * (G2 * 4 * BLOCK + SCALE_BYTES); /* scratch bytes per block */
+    const size_t yelt = out_bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        char *w = aligned_alloc(64, (size_t)(NV_WIDE * ustride));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (!w) continue;
+            const int64_t v0 = u * NV_WIDE, nv = nvec - v0 < NV_WIDE ? nvec - v0 : NV_WIDE;
+            for (int64_t v = 0; v < nv; v++) unpack_dp4(wp + (size_t)(v0 + v) * bstride, G2, groups, w + v * ustride);
+            for (int64_t m0 = 0; m0 < M; m0 += MR_WIDE) {
+                const int rows = (int)(M - m0 < MR_WIDE ? M - m0 : MR_WIDE);
+                qdpu4_table[rows][nv - 1](xbuf + m0 * K2, G2, groups, w, ustride, 0, bias,
+                                          (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+            }
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}
 #endif
 
 #if VW == 8
@@ -343,6 +400,12 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
             const char *src = (const char *)x + (size_t)(m0 + m) * ldx * (in_bf16 ? 2 : 4);
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t p0 = g * G2; /* the group's first pair */
+                if (dp && 2 * G2 == group) { /* no padding: x's own bf16 pairs, as gemm.c's fill */
+                    uint32_t *dst = (uint32_t *)xbuf + m0 * K2;
+                    const uint16_t *s = (const uint16_t *)src + g * group;
+                    for (int64_t j = 0; j < G2; j++) dst[(p0 + j) * rows + m] = s[2 * j] | (uint32_t)s[2 * j + 1] << 16;
+                    continue;
+                }
                 for (int64_t j = 0; j < 2 * G2; j++) {
                     const int64_t p = p0 + (j >> 1), e = j & 1, kk = g * group + j;
                     const int in = j < group;
@@ -360,6 +423,14 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
     }
     const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
     const int64_t bstride = groups * (G2 * (bits == 4 ? BLOCK : 2 * BLOCK) + SCALE_BYTES);
+#if defined(__AVX512BF16__)
+    if (dp && M > MR_TALL) {
+        const int rc = qlinear_dpu4((const uint32_t *)xbuf, M, G2, groups, (const char *)wp, bstride, bias, N, y, out_bf16,
+                                    threads);
+        free(xbuf);
+        return rc;
+    }
+#endif
 #if VW == 8
     if (M > MR_TALL) {
         const int rc = qlinear_k16(xbuf, M, G2, groups, wp, bits, bstride, bias, N, y, out_bf16, threads);
