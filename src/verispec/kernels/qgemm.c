@@ -157,17 +157,24 @@ static inline __attribute__((always_inline)) void tile_dp4(const int R, const in
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vzero();
         const char *wg = w + g * gbytes;
         const uint32_t *xg = x + g * G2 * R;
+        /* pair by pair, each pair's NV weight vectors first, then row by row: R * NV sums, NV weights and one
+         * broadcast live (30 registers at most); the vector-outer order kept 4R broadcasts live and spilled */
         for (int64_t p0 = 0; p0 < G2; p0 += 4) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
-                const char *wv = wg + v * bstride + p0 * pb;
-                if (!UNPACKED) _mm_prefetch(wv + PREFETCH, PF_HINT);
-                const __m512i e = _mm512_loadu_si512((const void *)wv);
-                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-                    const __m512bh wb = UNPACKED ? (__m512bh)_mm512_loadu_si512((const void *)(wv + t * 4 * BLOCK))
-                                                 : (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut);
-                    const uint32_t *xp = xg + (p0 + t) * R;
-                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
-                        s[m][v] = _mm512_dpbf16_ps(s[m][v], wb, (__m512bh)_mm512_set1_epi32((int)xp[m]));
+            if (!UNPACKED)
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+                    _mm_prefetch(wg + v * bstride + p0 * pb + PREFETCH, PF_HINT);
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                __m512bh wb[NV_WIDE];
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                    const char *wv = wg + v * bstride + p0 * pb;
+                    wb[v] = UNPACKED ? (__m512bh)_mm512_loadu_si512((const void *)(wv + t * 4 * BLOCK))
+                                     : (__m512bh)_mm512_permutexvar_epi16(
+                                           _mm512_srli_epi32(_mm512_loadu_si512((const void *)wv), 4 * t), lut);
+                }
+                const uint32_t *xp = xg + (p0 + t) * R;
+                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
+                    const __m512bh b = (__m512bh)_mm512_set1_epi32((int)xp[m]);
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = _mm512_dpbf16_ps(s[m][v], wb[v], b);
                 }
             }
         }
