@@ -102,19 +102,24 @@ static inline __attribute__((always_inline)) void tile_q(const int R, const int 
         const char *wg = w + g * gbytes;
         const float *xg = x + g * G2 * R * 2;
         const int step = BITS == 4 ? 4 : 1; /* pairs per load */
+        /* input by input (a pair's odd one, then its even one: the chain's order), that input's NV weight vectors
+         * first, then row by row: R * NV sums, NV weights and one broadcast live; the vector-outer order kept
+         * every row's broadcasts live and GCC spilled (read off the assembly, AVX2 and AVX-512) */
         for (int64_t p0 = 0; p0 < G2; p0 += step) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
-                const char *wv = wg + (v / VPB) * bstride + p0 * pb + (v % VPB) * hb;
-                if (v % VPB == 0) _mm_prefetch(wv + PREFETCH, PF_HINT);
-                const vi e = BITS == 4 ? vloadi(wv) : vbytes(wv);
-                _Pragma("GCC unroll 4") for (int t = 0; t < step; t++) {
-                    const float *xp = xg + (p0 + t) * R * 2;
-                    const vf w1 = BITS == 4 ? v_nib(e, 4 + t) : vcvt(vbytes(wv + BLOCK));
-                    const vf w0 = BITS == 4 ? v_nib(e, t) : vcvt(e);
-                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
-                        s[m][v] = vfma(vbcast(xp + 2 * m + 1), w1, s[m][v]);
-                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
-                        s[m][v] = vfma(vbcast(xp + 2 * m), w0, s[m][v]);
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)
+                _mm_prefetch(wg + (v / VPB) * bstride + p0 * pb + PREFETCH, PF_HINT);
+            _Pragma("GCC unroll 4") for (int t = 0; t < step; t++) {
+                const float *xp = xg + (p0 + t) * R * 2;
+                _Pragma("GCC unroll 2") for (int odd = 1; odd >= 0; odd--) {
+                    vf wt[NV_WIDE];
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                        const char *wv = wg + (v / VPB) * bstride + p0 * pb + (v % VPB) * hb;
+                        wt[v] = BITS == 4 ? v_nib(vloadi(wv), 4 * odd + t) : vcvt(vbytes(wv + odd * BLOCK));
+                    }
+                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
+                        const vf b = vbcast(xp + 2 * m + odd);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vfma(b, wt[v], s[m][v]);
+                    }
                 }
             }
         }
