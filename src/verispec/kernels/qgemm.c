@@ -10,8 +10,9 @@
  *
  * then + bias, then the store. q converts to fp32 exactly, however a path unpacks it (AVX2: shifts and cvt;
  * AVX-512: a 16-entry table through vpermps), so all paths agree bit for bit. The pair order is gemm.c's (odd,
- * then even: vdpbf16ps's own), so the AVX-512 BF16 path takes bf16 x on int4 weights through vdpbf16ps (the
- * nibbles through vpermw to bf16, exact; the products of bf16 x and q exact in fp32): the same chain, with
+ * then even: vdpbf16ps's own), so the AVX-512 BF16 path takes bf16 x on int4 and int8 weights through vdpbf16ps
+ * (nibbles through vpermw to bf16, bytes through cvt; both exact, and the products of bf16 x and q exact in
+ * fp32): the same chain, with
  * gemm.c's one caveat (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them).
  * Threads split column blocks, never K, and tiles never change a chain: a row's result is the same whatever the
  * number of rows in the call, the tile it falls in and the thread count.
@@ -143,15 +144,24 @@ static const uint16_t BF16_NIBBLE[32] __attribute__((aligned(64))) = {
     0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0,
     0xC080, 0xC040, 0xC000, 0xBF80};
 
-/* int4 weights, bf16 x: the same chain through vdpbf16ps. x as bf16 pairs, x[p * R + m] = bits of x[m, 2p] |
- * x[m, 2p + 1] << 16 (gemm.c's); vpermw reads a 16-bit index's low 5 bits, so the table repeats its 16 values.
- * UNPACKED: w is unpack_dp4's scratch instead of the packed stream (a pair's 16 columns already bf16 pairs, 64
- * bytes): prefills unpack each block once rather than once per 6 rows; the same chain either way. */
-static inline __attribute__((always_inline)) void tile_dp4(const int R, const int NV, const int UNPACKED,
-                                                           const uint32_t *x, int64_t G2, int64_t groups,
-                                                           const char *w, int64_t bstride, const float *bias,
-                                                           void *y, int64_t N, int out_bf16, int64_t n0) {
-    const int64_t pb = UNPACKED ? 4 * BLOCK : BLOCK, gbytes = G2 * pb + SCALE_BYTES; /* bytes per pair, group */
+/* A pair's 16 columns of int8 weights (16 even inputs' bytes, then 16 odd ones') as bf16 pairs, exact: an int8
+ * converts to fp32 with its low 16 bits zero, so its bf16 bits are the fp32's high half. */
+static inline __m512i bf16_pairs_i8(const char *p) {
+    const __m512i even = _mm512_castps_si512(vcvt(vbytes(p))), odd = _mm512_castps_si512(vcvt(vbytes(p + BLOCK)));
+    return _mm512_or_si512(odd, _mm512_srli_epi32(even, 16));
+}
+
+/* int4 or int8 weights, bf16 x: the same chain through vdpbf16ps. x as bf16 pairs, x[p * R + m] = bits of x[m, 2p]
+ * | x[m, 2p + 1] << 16 (gemm.c's); vpermw reads a 16-bit index's low 5 bits, so the table repeats its 16 values.
+ * SRC: 4 or 8, the packed stream of that many bits; 0, unpack_dp's scratch (a pair's 16 columns already bf16 pairs,
+ * 64 bytes): prefills unpack each block once rather than once per 6 rows. The same chain every way. */
+static inline __attribute__((always_inline)) void tile_dp(const int R, const int NV, const int SRC,
+                                                          const uint32_t *x, int64_t G2, int64_t groups,
+                                                          const char *w, int64_t bstride, const float *bias,
+                                                          void *y, int64_t N, int out_bf16, int64_t n0) {
+    /* bytes per pair of a block, per group; pairs per step (int4: one 64-byte load holds 4) */
+    const int64_t pb = SRC == 0 ? 4 * BLOCK : SRC == 8 ? 2 * BLOCK : BLOCK, gbytes = G2 * pb + SCALE_BYTES;
+    const int step = SRC == 4 ? 4 : 1;
     const __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
     float acc[MR_TALL][NV_WIDE][VW] __attribute__((aligned(64)));
     _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
@@ -164,17 +174,18 @@ static inline __attribute__((always_inline)) void tile_dp4(const int R, const in
         const uint32_t *xg = x + g * G2 * R;
         /* pair by pair, each pair's NV weight vectors first, then row by row: R * NV sums, NV weights and one
          * broadcast live (30 registers at most); the vector-outer order kept 4R broadcasts live and spilled */
-        for (int64_t p0 = 0; p0 < G2; p0 += 4) {
-            if (!UNPACKED)
+        for (int64_t p0 = 0; p0 < G2; p0 += step) {
+            if (SRC)
                 _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
                     _mm_prefetch(wg + v * bstride + p0 * pb + PREFETCH, PF_HINT);
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+            _Pragma("GCC unroll 4") for (int t = 0; t < step; t++) {
                 __m512bh wb[NV_WIDE];
                 _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
                     const char *wv = wg + v * bstride + p0 * pb;
-                    wb[v] = UNPACKED ? (__m512bh)_mm512_loadu_si512((const void *)(wv + t * 4 * BLOCK))
-                                     : (__m512bh)_mm512_permutexvar_epi16(
-                                           _mm512_srli_epi32(_mm512_loadu_si512((const void *)wv), 4 * t), lut);
+                    wb[v] = SRC == 0   ? (__m512bh)_mm512_loadu_si512((const void *)wv)
+                            : SRC == 8 ? (__m512bh)bf16_pairs_i8(wv)
+                                       : (__m512bh)_mm512_permutexvar_epi16(
+                                             _mm512_srli_epi32(_mm512_loadu_si512((const void *)wv), 4 * t), lut);
                 }
                 const uint32_t *xp = xg + (p0 + t) * R;
                 _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
@@ -195,20 +206,26 @@ static inline __attribute__((always_inline)) void tile_dp4(const int R, const in
             store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
 }
 
-/* One int4 block's packed stream -> the same stream with each pair's nibbles as bf16 pairs (64 bytes a pair, the
- * exact values vpermw gives), the scales copied: tile_dp4's UNPACKED input. */
-static void unpack_dp4(const char *wb, int64_t G2, int64_t groups, char *out) {
+/* One int4 or int8 block's packed stream -> the same stream with each pair's weights as bf16 pairs (64 bytes a
+ * pair, the exact values tile_dp makes of them), the scales copied: tile_dp's SRC 0 input. */
+static void unpack_dp(const char *wb, int bits, int64_t G2, int64_t groups, char *out) {
     const __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
+    const int64_t pb = bits == 4 ? BLOCK : 2 * BLOCK;
     for (int64_t g = 0; g < groups; g++) {
-        const char *wg = wb + g * (G2 * BLOCK + SCALE_BYTES);
+        const char *wg = wb + g * (G2 * pb + SCALE_BYTES);
         char *og = out + g * (G2 * 4 * BLOCK + SCALE_BYTES);
-        for (int64_t p0 = 0; p0 < G2; p0 += 4) {
-            const __m512i e = _mm512_loadu_si512((const void *)(wg + p0 * BLOCK));
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
-                _mm512_storeu_si512((void *)(og + (p0 + t) * 4 * BLOCK),
-                                    _mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut));
+        if (bits == 4) {
+            for (int64_t p0 = 0; p0 < G2; p0 += 4) {
+                const __m512i e = _mm512_loadu_si512((const void *)(wg + p0 * BLOCK));
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
+                    _mm512_storeu_si512((void *)(og + (p0 + t) * 4 * BLOCK),
+                                        _mm512_permutexvar_epi16(_mm512_srli_epi32(e, 4 * t), lut));
+            }
+        } else {
+            for (int64_t p = 0; p < G2; p++)
+                _mm512_storeu_si512((void *)(og + p * 4 * BLOCK), bf16_pairs_i8(wg + p * pb));
         }
-        memcpy(og + G2 * 4 * BLOCK, wg + G2 * BLOCK, SCALE_BYTES);
+        memcpy(og + G2 * 4 * BLOCK, wg + G2 * pb, SCALE_BYTES);
     }
 }
 #endif
@@ -226,10 +243,11 @@ typedef void (*qtile_fn)(const void *x, int64_t G2, int64_t groups, const char *
     }
 #define TILE_4(R, NV, x, ...) tile_q(R, NV, 4, (const float *)(x), __VA_ARGS__)
 #define TILE_8(R, NV, x, ...) tile_q(R, NV, 8, (const float *)(x), __VA_ARGS__)
-#define TILE_dp4(R, NV, x, G2, groups, w, bstride, sxo, ...) tile_dp4(R, NV, 0, (const uint32_t *)(x), G2, groups, \
-                                                                     w, bstride, __VA_ARGS__)
-#define TILE_dpu4(R, NV, x, G2, groups, w, bstride, sxo, ...) tile_dp4(R, NV, 1, (const uint32_t *)(x), G2, groups, \
-                                                                      w, bstride, __VA_ARGS__)
+#define TILE_dp(SRC, R, NV, x, G2, groups, w, bstride, sxo, ...)                                                  \
+    tile_dp(R, NV, SRC, (const uint32_t *)(x), G2, groups, w, bstride, __VA_ARGS__)
+#define TILE_dp4(...) TILE_dp(4, __VA_ARGS__)
+#define TILE_dp8(...) TILE_dp(8, __VA_ARGS__)
+#define TILE_dpu(...) TILE_dp(0, __VA_ARGS__)
 #if VW == 16
 #define INST_WIDE(B, R) INST1(B, R, 1) INST1(B, R, 2) INST1(B, R, 3) INST1(B, R, 4)
 #define INST_TALL(B, R) INST1(B, R, 1) INST1(B, R, 2)
@@ -252,15 +270,15 @@ INST_ALL(4)
 INST_ALL(8)
 #if defined(__AVX512BF16__)
 INST_ALL(dp4)
-INST_WIDE(dpu4, 1) INST_WIDE(dpu4, 2) INST_WIDE(dpu4, 3) INST_WIDE(dpu4, 4) INST_WIDE(dpu4, 5) INST_WIDE(dpu4, 6)
-static const qtile_fn qdpu4_table[MR_WIDE + 1][NV_WIDE] = {
-    {0}, ROW_WIDE(dpu4, 1), ROW_WIDE(dpu4, 2), ROW_WIDE(dpu4, 3), ROW_WIDE(dpu4, 4), ROW_WIDE(dpu4, 5),
-    ROW_WIDE(dpu4, 6)};
+INST_ALL(dp8)
+INST_WIDE(dpu, 1) INST_WIDE(dpu, 2) INST_WIDE(dpu, 3) INST_WIDE(dpu, 4) INST_WIDE(dpu, 5) INST_WIDE(dpu, 6)
+static const qtile_fn qdpu_table[MR_WIDE + 1][NV_WIDE] = {
+    {0}, ROW_WIDE(dpu, 1), ROW_WIDE(dpu, 2), ROW_WIDE(dpu, 3), ROW_WIDE(dpu, 4), ROW_WIDE(dpu, 5), ROW_WIDE(dpu, 6)};
 
-/* bf16 x on int4 past 12 rows (prefills): each unit's blocks unpacked once into per-thread scratch (unpack_dp4),
- * then 6-row wide tiles over it. Returns 0, or -1 if out of memory. */
-static int qlinear_dpu4(const uint32_t *xbuf, int64_t M, int64_t G2, int64_t groups, const char *wp,
-                        int64_t bstride, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+/* bf16 x on int4 or int8 past 12 rows (prefills): each unit's blocks unpacked once into per-thread scratch
+ * (unpack_dp), then 6-row wide tiles over it. Returns 0, or -1 if out of memory. */
+static int qlinear_dpu(const uint32_t *xbuf, int64_t M, int bits, int64_t G2, int64_t groups, const char *wp,
+                       int64_t bstride, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     const int64_t nvec = (N + BLOCK - 1) / BLOCK, units = (nvec + NV_WIDE - 1) / NV_WIDE, K2 = groups * G2;
     const int64_t ustride = groups * (G2 * 4 * BLOCK + SCALE_BYTES); /* scratch bytes per block */
     const size_t yelt = out_bf16 ? 2 : 4;
@@ -276,11 +294,12 @@ static int qlinear_dpu4(const uint32_t *xbuf, int64_t M, int64_t G2, int64_t gro
         for (int64_t u = 0; u < units; u++) {
             if (!w) continue;
             const int64_t v0 = u * NV_WIDE, nv = nvec - v0 < NV_WIDE ? nvec - v0 : NV_WIDE;
-            for (int64_t v = 0; v < nv; v++) unpack_dp4(wp + (size_t)(v0 + v) * bstride, G2, groups, w + v * ustride);
+            for (int64_t v = 0; v < nv; v++)
+                unpack_dp(wp + (size_t)(v0 + v) * bstride, bits, G2, groups, w + v * ustride);
             for (int64_t m0 = 0; m0 < M; m0 += MR_WIDE) {
                 const int rows = (int)(M - m0 < MR_WIDE ? M - m0 : MR_WIDE);
-                qdpu4_table[rows][nv - 1](xbuf + m0 * K2, G2, groups, w, ustride, 0, bias,
-                                          (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+                qdpu_table[rows][nv - 1](xbuf + m0 * K2, G2, groups, w, ustride, 0, bias,
+                                         (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
             }
         }
         free(w);
@@ -396,7 +415,7 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
     const int64_t nv_unit = wide ? NV_WIDE : NV_TALL, mr = wide ? MR_WIDE : MR_TALL;
     const int64_t groups = K / group, G2 = (group + align - 1) / align * align / 2, K2 = groups * G2;
 #if defined(__AVX512BF16__)
-    const int dp = bits == 4 && in_bf16; /* bf16 x on int4: vdpbf16ps on x's own bits */
+    const int dp = in_bf16; /* bf16 x: vdpbf16ps on x's own bits */
 #else
     const int dp = 0;
 #endif
@@ -437,8 +456,8 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
     const int64_t bstride = groups * (G2 * (bits == 4 ? BLOCK : 2 * BLOCK) + SCALE_BYTES);
 #if defined(__AVX512BF16__)
     if (dp && M > MR_TALL) {
-        const int rc = qlinear_dpu4((const uint32_t *)xbuf, M, G2, groups, (const char *)wp, bstride, bias, N, y, out_bf16,
-                                    threads);
+        const int rc = qlinear_dpu((const uint32_t *)xbuf, M, bits, G2, groups, (const char *)wp, bstride, bias, N,
+                                   y, out_bf16, threads);
         free(xbuf);
         return rc;
     }
@@ -456,7 +475,7 @@ int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, co
     const size_t yelt = out_bf16 ? 2 : 4, xunit = dp ? 1 : 2; /* 4-byte units per (row, pair) of x */
     const qtile_fn(*table)[NV_WIDE] = bits == 4 ? q4_table : q8_table;
 #if defined(__AVX512BF16__)
-    if (dp) table = qdp4_table;
+    if (dp) table = bits == 4 ? qdp4_table : qdp8_table;
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
