@@ -50,7 +50,7 @@ def weights(bits: int, group: int, n: int, k: int, seed: int = 0):
     return q, scales, native.qpack(q, scales, group, bits)
 
 
-@pytest.mark.parametrize("xdtype", [torch.float32, BF16])  # bf16 x on int4: vdpbf16ps on the AVX-512 BF16 path
+@pytest.mark.parametrize("xdtype", [torch.float32, BF16])  # bf16 x: vdpbf16ps on the AVX-512 BF16 path
 @pytest.mark.parametrize("bits,group,n,k", SHAPES)
 def test_every_path_and_row_count_computes_the_reference_chain(bits, group, n, k, xdtype):
     q, scales, packed = weights(bits, group, n, k)
