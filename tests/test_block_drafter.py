@@ -21,6 +21,10 @@ from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model import load_model, save_model
 from verispec.model.block import BlockConfig, BlockDraftModel
+from verispec.quant.drafter import PROJECTIONS
+from verispec.quant.linear import QuantLinear
+from verispec.quant.rtn import quantize_rtn
+from verispec.quant.scheme import QuantScheme
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28], [7]]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -484,12 +488,30 @@ def native_calls(monkeypatch):
     return calls
 
 
+def quantize_layers(model: BlockDraftModel, bits: int) -> BlockDraftModel:
+    """Its decoder layers' projections as int QuantLinears (RTN, groups of 32 for int4, per channel for int8), as
+    a quantized drafter checkpoint loads (quant.drafter)."""
+    for name in [f"layers.{i}.{p}" for i in range(len(model.layers)) for p in PROJECTIONS]:
+        parent, _, child = name.rpartition(".")
+        w = model.get_submodule(name).weight.detach()
+        q, scales = quantize_rtn(w, QuantScheme(bits, 32 if bits == 4 else None), torch.float32)
+        setattr(model.get_submodule(parent), child, QuantLinear(q, scales, bits))
+    return model
+
+
+@pytest.mark.parametrize("bits", [0, 4, 8])
 @pytest.mark.parametrize("pending", [0, 3])
-def test_native_block_layers_equal_the_torch_layers(pending, target, native_calls):
-    """A loaded drafter (fused, packed) proposes for one sequence through kernels/blocklayer.c: the same drafts,
-    confidences, block states and context cache (the rows it commits and the block's uncommitted ones) as the
-    torch layers, to rounding, with and without accepted rows riding on the proposal."""
-    model = make_block(target, head="markov", confidence=True, block_size=4, seed=3).prepare_inference()
+def test_native_block_layers_equal_the_torch_layers(pending, bits, target, native_calls):
+    """A loaded drafter (fused, packed; dense, or with int4/int8 layers) proposes for one sequence through
+    kernels/blocklayer.c: the same drafts, confidences, block states and context cache (the rows it commits and
+    the block's uncommitted ones) as the torch layers, to rounding, with and without accepted rows riding on the
+    proposal."""
+    model = make_block(target, head="markov", confidence=True, block_size=4, seed=3)
+    if bits:
+        if not native.qavailable():
+            pytest.skip(no_native_reason())
+        quantize_layers(model, bits)
+    model = model.prepare_inference()
     prompt = PROMPTS[0]
     head = len(prompt) - pending
     with torch.inference_mode():

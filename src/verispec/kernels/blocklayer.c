@@ -8,18 +8,17 @@
  *   x    += o_proj(attention(q, cache rows 0 .. S0 + n + G - 1))   (every key visible: bidirectional block)
  *   x    += down(silu(gate) * up),  [gate ; up] = rmsnorm(x) @ Wgu^T
  *
- * The matmuls and attention are vs_linear / vs_attention (gemm.c, attention.c); the rest is plain loops over a few
- * rows. Weights are packed as gemm.c packs them (bf16 or fp32 each). Returns 0, -1 out of memory, -2 bad shapes,
- * or the first failing kernel's code. */
+ * The matmuls are gemm.c's or, for an int8/int4 drafter, qgemm.c's (weights.h), attention is attention.c's; the
+ * rest is plain loops over a few rows. Returns 0, -1 out of memory, -2 bad shapes, or the first failing kernel's
+ * code. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "vecmath.h"
+#include "weights.h"
 
-int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
-              const float *bias, int64_t N, void *y, int out_bf16, int threads);
 int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
                  float *out, int64_t causal_from, float scale, int threads);
@@ -48,19 +47,19 @@ static void norm_rope(const float *x, const float *w, int64_t D, float eps, cons
     }
 }
 
-/* y [M, N] = x [M, K] (rows ldx apart) @ W^T through gemm.c; with mm_bf16 the input is first rounded to bf16 into
- * `bits` [M, K], so bf16 weights take the vdpbf16ps path (as a bf16 drafter rounds its matmul inputs). */
-static int mm(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int w_bf16, int64_t N, float *y,
+/* y [M, N] = x [M, K] (contiguous rows) @ W^T; with mm_bf16 the input is first rounded to bf16 into `bits` [M, K],
+ * so bf16 and int weights take the vdpbf16ps paths (as a bf16 drafter rounds its matmul inputs). */
+static int mm(const float *x, int64_t M, int64_t K, const vs_weight *w, vs_qlinear_fn qlin, int64_t N, float *y,
               int mm_bf16, uint16_t *bits, int threads) {
-    if (!mm_bf16) return vs_linear(x, 0, M, K, ldx, w, w_bf16, NULL, N, y, 0, threads);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k++) bits[m * K + k] = bf16_bits(x[m * ldx + k]);
-    return vs_linear(bits, 1, M, K, K, w, w_bf16, NULL, N, y, 0, threads);
+    if (!mm_bf16) return weight_matmul(w, qlin, x, 0, M, K, NULL, N, y, threads);
+    for (int64_t i = 0; i < M * K; i++) bits[i] = bf16_bits(x[i]);
+    return weight_matmul(w, qlin, bits, 1, M, K, NULL, N, y, threads);
 }
 
+/* w: the layer's qkv, o_proj, gate_up and down_proj weights; qlin: qgemm.c's vs_qlinear, or NULL where none is
+ * quantized. */
 int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, const float *ln1, const float *ln2,
-                   const float *qn, const float *kn, float eps, const void *w_qkv, int qkv_bf16, const void *w_o,
-                   int o_bf16, const void *w_gu, int gu_bf16, const void *w_down, int down_bf16, int64_t F,
+                   const float *qn, const float *kn, float eps, const vs_weight *w, vs_qlinear_fn qlin, int64_t F,
                    int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, float *kc, float *vc,
                    int64_t ksh, int64_t kss, int64_t S0, int mm_bf16, int threads) {
     if (D > 512 || D % 2 != 0 || H % Hkv != 0 || G <= 0 || n < 0) return -2;
@@ -80,7 +79,7 @@ int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, 
     }
     if (n) memcpy(in, ctx, (size_t)(n * d) * sizeof(float));
     for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln1, d, eps, in + (n + g) * d);
-    if ((rc = mm(in, R, d, d, w_qkv, qkv_bf16, nqkv, qkv, mm_bf16, bits, threads))) goto done;
+    if ((rc = mm(in, R, d, &w[0], qlin, nqkv, qkv, mm_bf16, bits, threads))) goto done;
     for (int64_t r = 0; r < R; r++) {
         const float *row = qkv + r * nqkv, *c = cos + r * D, *s = sin + r * D;
         if (r >= n)
@@ -93,15 +92,16 @@ int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, 
     if ((rc = vs_attention(q, 1, G, H, D, G * nq, nq, D, kc, vc, Hkv, S0 + R, 0, ksh, kss, att, -1,
                            1.0f / sqrtf((float)D), threads)))
         goto done;
-    if ((rc = mm(att, G, nq, nq, w_o, o_bf16, d, h, mm_bf16, bits, threads))) goto done;
+    if ((rc = mm(att, G, nq, &w[1], qlin, d, h, mm_bf16, bits, threads))) goto done;
     for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
     for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln2, d, eps, h + g * d);
-    if ((rc = mm(h, G, d, d, w_gu, gu_bf16, 2 * F, gu, mm_bf16, bits, threads))) goto done;
-    for (int64_t g = 0; g < G; g++) { /* silu(gate) * up, into the gate half */
+    if ((rc = mm(h, G, d, &w[2], qlin, 2 * F, gu, mm_bf16, bits, threads))) goto done;
+    for (int64_t g = 0; g < G; g++) { /* silu(gate) * up, into the gate half, then rows packed to [G, F] */
         float *a = gu + g * 2 * F;
         for (int64_t i = 0; i < F; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * a[F + i];
+        memmove(gu + g * F, a, (size_t)F * sizeof(float));
     }
-    if ((rc = mm(gu, G, F, 2 * F, w_down, down_bf16, d, h, mm_bf16, bits, threads))) goto done;
+    if ((rc = mm(gu, G, F, &w[3], qlin, d, h, mm_bf16, bits, threads))) goto done;
     for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
 done:
     free(in);

@@ -25,23 +25,11 @@
 #include <string.h>
 
 #include "vecmath.h"
+#include "weights.h"
 
-int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int w_bf16,
-              const float *bias, int64_t N, void *y, int out_bf16, int threads);
 int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
                  float *out, int64_t causal_from, float scale, int threads);
-
-/* qgemm.c's entry point (see vs_qlinear there) */
-typedef int (*vs_qlinear_fn)(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int bits,
-                             int64_t group, const float *bias, int64_t N, void *y, int out_bf16, int threads);
-
-typedef struct {
-    const void *data;                     /* packed weight: gemm.c's (bits 0) or qgemm.c's */
-    int32_t bf16;                         /* dense: bf16 (else fp32) weights */
-    int32_t bits;                         /* 0: dense; 4 or 8: weight-only int, `group` inputs per scale */
-    int64_t group;
-} vs_weight;
 
 typedef struct {
     vs_weight qkv, o, gate_up, down;
@@ -132,13 +120,6 @@ static const void *mm_input(const float *x, int64_t n, int bf16, uint16_t *bits)
     return bits;
 }
 
-/* y [M, N] fp32 = x [M, K] @ w^T (+ bias), by gemm.c or (w->bits) qgemm.c; -2 for a quantized weight without qlin. */
-static int matmul(const vs_weight *w, vs_qlinear_fn qlin, const void *x, int in_bf16, int64_t M, int64_t K,
-                  const float *bias, int64_t N, float *y, int threads) {
-    if (!w->bits) return vs_linear(x, in_bf16, M, K, K, w->data, w->bf16, bias, N, y, 0, threads);
-    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, bias, N, y, 0, threads) : -2;
-}
-
 /* tokens: [N] ids (checked by the caller); seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers,
  * each NULL or an [N, d] output in the activation dtype (0: the embedding, l: decoder layer l's output); logit_rows:
  * [n_logits] rows whose final-norm LM-head logits go to logits [n_logits, vocab] in the activation dtype.
@@ -197,7 +178,8 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         const vs_layer *L = m->layer + l;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln1, d, m->eps, bf16, h + r * d);
-        if ((rc = matmul(&L->qkv, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, L->qkv_bias, nqkv, big, threads)))
+        if ((rc = weight_matmul(&L->qkv, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, L->qkv_bias, nqkv, big,
+                                threads)))
             goto done;
         round_all(big, N * nqkv, bf16);
         for (int64_t s = 0, r0 = 0; s < nseq; r0 += seqs[s].rows, s++) {
@@ -227,18 +209,19 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
                 goto done;
         }
         round_all(att, N * nq, bf16);
-        if ((rc = matmul(&L->o, qlin, mm_input(att, N * nq, bf16, bits), bf16, N, nq, L->o_bias, d, h, threads)))
+        if ((rc = weight_matmul(&L->o, qlin, mm_input(att, N * nq, bf16, bits), bf16, N, nq, L->o_bias, d, h, threads)))
             goto done;
         for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln2, d, m->eps, bf16, h + r * d);
-        if ((rc = matmul(&L->gate_up, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, NULL, 2 * F, big, threads)))
+        if ((rc = weight_matmul(&L->gate_up, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, NULL, 2 * F, big,
+                                threads)))
             goto done;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) silu_mul(big + r * 2 * F, F, bf16);
         float *gate = big; /* rows 2F apart: compact them for the down projection */
         for (int64_t r = 1; r < N; r++) memmove(gate + r * F, gate + r * 2 * F, (size_t)F * sizeof(float));
-        if ((rc = matmul(&L->down, qlin, mm_input(gate, N * F, bf16, bits), bf16, N, F, NULL, d, h, threads)))
+        if ((rc = weight_matmul(&L->down, qlin, mm_input(gate, N * F, bf16, bits), bf16, N, F, NULL, d, h, threads)))
             goto done;
         for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
         if (hidden && hidden[l + 1]) store_act(x, N * d, bf16, hidden[l + 1]);

@@ -43,7 +43,7 @@ from verispec.paths import user_cache
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "decoder.c", "argmax.c"))
 QSOURCES = (Path(__file__).with_name("qgemm.c"),)  # a library of its own per ISA, built on first qlinear
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("vecmath.h", "simd.h"))  # included: part of the build hash
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("vecmath.h", "simd.h", "weights.h"))  # included: part of the build hash
 PROBE = Path(__file__).with_name("cpu.c")
 BLOCK = 16  # output columns per packed block (gemm.c)
 # Instruction sets, slowest first, with their compiler flags and the CPU features they need (cpu.c's bits).
@@ -119,8 +119,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_markov_greedy": (cint, [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]),
         "vs_argmax": (cint, [ptr, cint, i64, i64, i64, ptr]),
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
-        "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, cint, ptr, cint, ptr, cint,
-                                  ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
+        "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, ptr, i64, i64, i64, i64,
+                                  ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
         "vs_decoder_forward": (cint, [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint, ptr]),
         "vs_isa": (cint, []),
     }
@@ -538,7 +538,7 @@ def block_layer(
     ctx: torch.Tensor | None,  # [n, d] fp32 contiguous context features (written to the cache first), or None
     norms: tuple[torch.Tensor, ...],  # fp32 input_layernorm [d], post_attention_layernorm [d], q_norm [D], k_norm [D]
     eps: float,
-    weights: tuple[Packed, ...],  # pack()ed qkv, o_proj, gate_up, down_proj (bf16 or fp32 each)
+    weights: tuple[Packed | QPacked, ...],  # qkv, o_proj, gate_up, down_proj: pack()ed (bf16 or fp32) or qpack()ed
     dims: tuple[int, int, int, int],  # H, Hkv, D, F (the MLP's intermediate size)
     rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [n + G, D] for the rows' positions, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # this layer's cache k, v [Hkv, S_max, D] fp32, rows contiguous
@@ -563,16 +563,19 @@ def block_layer(
     if (k.stride() != v.stride() or k.shape != v.shape or k.dim() != 3 or k.shape[0] != hkv or k.shape[2] != hd
             or k.stride(-1) != 1 or k.stride(1) < hd or start < 0 or start + n + g > k.shape[1]):
         raise ValueError("native block layer: the cache rows do not fit or k and v differ in layout")
-    wq, wo, wgu, wd = weights
     want = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * ffn), (ffn, d))
     if tuple((p.k, p.n) for p in weights) != want:
         raise ValueError(f"native block layer: packed weights (in, out) {[(p.k, p.n) for p in weights]}, "
                          f"expected {list(want)}")
+    for p in weights:
+        if isinstance(p, QPacked):
+            _check_qpacked(p, "block layer")
+    descs = (WeightDesc * 4)(*(WeightDesc.of(p) for p in weights))
+    qlin = _qlinear_address() if any(isinstance(p, QPacked) for p in weights) else None
     rc = lib.vs_block_layer(
         x.data_ptr(), g, d, None if ctx is None else ctx.data_ptr(), n, *(t.data_ptr() for t in norms), eps,
-        wq.data.data_ptr(), wq.bf16, wo.data.data_ptr(), wo.bf16, wgu.data.data_ptr(), wgu.bf16,
-        wd.data.data_ptr(), wd.bf16, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
-        v.data_ptr(), k.stride(0), k.stride(1), start, mm_bf16, torch.get_num_threads(),
+        descs, qlin, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+        k.stride(1), start, mm_bf16, torch.get_num_threads(),
     )
     if rc != 0:
         raise ValueError(f"native block layer failed ({rc})")

@@ -88,7 +88,7 @@ class _BlockLayer(nn.Module):
     def fuse(self) -> None:
         """Inference only: q/k/v become one matmul (k/v one for the context), gate/up one, all packed where
         supported (model.packing); the parameters stay, as views of the fused weights. Quantized projections fuse
-        into one QuantLinear the same way (no dense weight: the layer then runs on the torch path)."""
+        into one QuantLinear the same way (no dense weight: native_forward takes their int packs)."""
         if isinstance(self.q_proj, QuantLinear):
             self.qkv_quant = QuantLinear.concat([self.q_proj, self.k_proj, self.v_proj])
             qkv, rows = self.qkv_quant, self.nq * self.head_dim
@@ -126,16 +126,23 @@ class _BlockLayer(nn.Module):
         _, k, v = self._project(x, with_q=False)
         return self._rope_kv(k, v, cos, sin)
 
-    def native_packs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def native_packs(self, x: torch.Tensor) -> tuple[native.Packed | native.QPacked, ...] | None:
         """The packed qkv, o, gate/up and down weights for native_forward, or None unless every one is a valid
-        native pack for an fp32 input like x (fused and packed at load, unchanged since); None when quantized."""
+        native pack for an fp32 input like x (fused and packed at load, unchanged since; a quantized layer's
+        QuantLinears pack on first use, and again after they move)."""
+        if x.dtype != torch.float32 or self.head_dim > 512 or self.head_dim % 8:
+            return None
+        if self.qkv_quant is not None:
+            quant = (self.qkv_quant, self.o_proj, self.mlp.gate_up_quant, self.mlp.down_proj)
+            if not native.qavailable() or not all(isinstance(q, QuantLinear) and q.qweight.device.type == "cpu"
+                                                  and q.bias is None for q in quant):
+                return None
+            return tuple(q.qpacked() for q in quant)
         if self.qkv_weight is None:
             return None
         pairs = ((self.qkv_weight, self.qkv_packed), (self.o_proj.weight, getattr(self.o_proj, "packed", None)),
                  (self.mlp.gate_up_weight, self.mlp.gate_up_packed),
                  (self.mlp.down_proj.weight, getattr(self.mlp.down_proj, "packed", None)))
-        if x.dtype != torch.float32 or self.head_dim > 512 or self.head_dim % 8:
-            return None
         if any(p is None or w is None or not p.usable(w, x) for w, p in pairs):
             return None
         return tuple(p.packed for _, p in pairs)
@@ -143,7 +150,7 @@ class _BlockLayer(nn.Module):
     def native_forward(
         self,
         x: torch.Tensor,  # [G, d] fp32 block, updated in place
-        packs: tuple[torch.Tensor, ...],  # native_packs(x)
+        packs: tuple[native.Packed | native.QPacked, ...],  # native_packs(x)
         cos: torch.Tensor, sin: torch.Tensor,  # [n + G, D] fp32, positions of the new context rows and the block
         cache: KVCache, index: int,  # one sequence's context cache and this layer's index in it
         new_ctx: torch.Tensor | None,  # [n, d] fp32 context features to write before the block's rows
