@@ -43,6 +43,7 @@ from verispec.bench.prompts import PROMPT_DIR, load_task
 from verispec.cache import KVCache
 from verispec.decode import GenerationResult
 from verispec.errors import ConfigError
+from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
 
@@ -187,60 +188,46 @@ class Arm:
     llm: LLM
     times: list[float] = field(default_factory=list)  # per repeat: SpecStats.elapsed_s summed over the prompts
     decode_times: list[float] = field(default_factory=list)  # the same after each prefill (SpecStats.decode_s)
-    total: float = 0.0  # the current repeat's running sums
-    decode_now: float = 0.0
-    prefill: float = 0.0
-    draft: float = 0.0
-    decode: float = 0.0
-    rounds: int = 0
+    now: SpecStats = field(default_factory=SpecStats)  # the current repeat's sums
+    every: SpecStats = field(default_factory=SpecStats)  # every repeat's (times, rounds)
+    first: SpecStats = field(default_factory=SpecStats)  # the first repeat's (acceptance)
     runs: int = 0
-    tokens: int = 0
-    drafts: int = 0
-    accepted: int = 0
-    per_pos: list[int] = field(default_factory=list)
+    tokens: int = 0  # output tokens of the first repeat
     equal: int = 0
     compared: int = 0
 
     def add(self, r: GenerationResult, first_repeat: bool, plain: list[int] | None) -> None:
         """One generation's stats; `plain`: the same target's plain output on this prompt (None: a plain arm)."""
-        s = r.stats
-        self.total += s.elapsed_s
-        self.decode_now += s.decode_s
-        self.prefill += s.prefill_s
-        self.draft += s.draft_s
-        self.decode += s.decode_s
-        self.rounds += s.num_rounds
+        self.now.add(r.stats)
+        self.every.add(r.stats)
         self.runs += 1
         if plain is not None:
             self.compared += 1
             self.equal += r.token_ids == plain
         if first_repeat:
             self.tokens += len(r.token_ids)
-            self.drafts += s.num_drafts
-            self.accepted += s.num_accepted_tokens
-            self.per_pos += [0] * (len(s.accepted_per_pos) - len(self.per_pos))
-            for j, c in enumerate(s.accepted_per_pos):
-                self.per_pos[j] += c
+            self.first.add(r.stats)
 
     def end_repeat(self) -> None:
-        self.times.append(self.total)
-        self.decode_times.append(self.decode_now)
-        self.total = self.decode_now = 0.0
+        self.times.append(self.now.elapsed_s)
+        self.decode_times.append(self.now.decode_s)
+        self.now = SpecStats()
 
     def row(self, base: Arm) -> dict:
         """Speeds, and speedups against `base` (bf16 plain) in the same repeat, τ and equality."""
+        e, f = self.every, self.first
         return {
             "target": self.target, "drafter": self.drafter, "tokens": self.tokens,
             "tokens_per_s": self.tokens / statistics.median(self.times),
             "decode_tokens_per_s": self.tokens / statistics.median(self.decode_times),
             "speedup": statistics.median(b / t for b, t in zip(base.times, self.times)),
             "decode_speedup": statistics.median(b / t for b, t in zip(base.decode_times, self.decode_times)),
-            "prefill_share": self.prefill / (self.prefill + self.decode),
-            "draft_share_of_decode": self.draft / self.decode if self.decode else 0.0,
-            "draft_ms_per_round": 1e3 * self.draft / self.rounds if self.rounds else 0.0,
-            "prefill_ms": 1e3 * self.prefill / self.runs,
-            "tau": 1 + self.accepted / self.drafts if self.drafts else None,
-            "accept_per_pos": [c / self.drafts for c in self.per_pos] if self.drafts else [],
+            "prefill_share": e.prefill_s / e.elapsed_s,
+            "draft_share_of_decode": e.draft_s / e.decode_s if e.decode_s else 0.0,
+            "draft_ms_per_round": 1e3 * e.draft_s / e.num_rounds if e.num_rounds else 0.0,
+            "prefill_ms": 1e3 * e.prefill_s / self.runs,
+            "tau": f.tau if f.num_drafts else None,
+            "accept_per_pos": [c / f.num_drafts for c in f.accepted_per_pos] if f.num_drafts else [],
             "equal": self.equal, "compared": self.compared,
         }
 

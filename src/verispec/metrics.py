@@ -42,6 +42,21 @@ class SpecStats:
         for j in range(counted):
             self.accepted_per_pos[j] += 1
 
+    def add(self, other: SpecStats) -> None:
+        """Sum another generation's counters and times into these (per-position counts aligned; ttft_s kept)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_output_tokens += other.num_output_tokens
+        self.num_rounds += other.num_rounds
+        self.elapsed_s += other.elapsed_s
+        self.draft_s += other.draft_s
+        self.prefill_s += other.prefill_s
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos += [0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos))
+        for j, a in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[j] += a
+
     @property
     def tau(self) -> float:
         """Mean acceptance length: tokens committed per drafted round, bonus/recovered token included."""

@@ -82,21 +82,6 @@ def _task_prompts(cfg: BenchConfig) -> dict[str, list[str]]:
     return sets
 
 
-def _merge(total: SpecStats, s: SpecStats) -> None:
-    total.num_drafts += s.num_drafts
-    total.num_draft_tokens += s.num_draft_tokens
-    total.num_accepted_tokens += s.num_accepted_tokens
-    total.num_output_tokens += s.num_output_tokens
-    total.num_rounds += s.num_rounds
-    total.elapsed_s += s.elapsed_s
-    total.draft_s += s.draft_s
-    total.prefill_s += s.prefill_s
-    if len(total.accepted_per_pos) < len(s.accepted_per_pos):
-        total.accepted_per_pos += [0] * (len(s.accepted_per_pos) - len(total.accepted_per_pos))
-    for j, a in enumerate(s.accepted_per_pos):
-        total.accepted_per_pos[j] += a
-
-
 def conditional_acceptance(s: SpecStats) -> list[float]:
     """P(position j accepted | all before it accepted), j = 1..k."""
     out, before = [], s.num_drafts
@@ -167,7 +152,7 @@ def run(cfg: BenchConfig, out: Path, progress: bool = True) -> dict:
                     if rep == 0:
                         cell = cells[(task, s, k, pol)]
                         cell.tokens += len(res.token_ids)
-                        _merge(cell.stats, res.stats)
+                        cell.stats.add(res.stats)
                         if res.token_ids == plain.token_ids:
                             cell.equal += 1
                         else:
