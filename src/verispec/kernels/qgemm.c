@@ -12,8 +12,8 @@
  * AVX-512: a 16-entry table through vpermps), so all paths agree bit for bit. The pair order is gemm.c's (odd,
  * then even: vdpbf16ps's own), so the AVX-512 BF16 path takes bf16 x on int4 and int8 weights through vdpbf16ps
  * (nibbles through vpermw to bf16, bytes through cvt; both exact, and the products of bf16 x and q exact in
- * fp32): the same chain, with
- * gemm.c's one caveat (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them).
+ * fp32): the same chain, with gemm.c's one caveat (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA
+ * keeps them).
  * Threads split column blocks, never K, and tiles never change a chain: a row's result is the same whatever the
  * number of rows in the call, the tile it falls in and the thread count.
  *
