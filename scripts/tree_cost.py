@@ -197,8 +197,8 @@ def write_readme(out: Path, res: dict, command: str) -> None:
                      f"costing what a native chain of {n} does).")
     L += ["- On this CPU a verify forward is compute-bound past a few rows: its cost grows with every node "
           "(the native chain of 64 costs "
-          f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step), where on a GPU it is "
-          "nearly flat up to dozens of rows. A tree's extra nodes buy little τ (the draft model's top-1 chain is "
+          f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step), while draft trees assume a "
+          "verify forward whose cost barely grows with its rows (a GPU's premise, not measured here). A tree's extra nodes buy little τ (the draft model's top-1 chain is "
           "usually the accepted path), so the cost of verifying them is not repaid; the torch path's fixed "
           "overhead (chain torch against chain native) is the rest of the gap. SpecMQuant reports the same "
           "finding for low-bit targets; the quantized report (reports/quant/) shows the 9-row int4 verify at "

@@ -93,6 +93,10 @@ def summary_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _line_style(arm: str) -> str:  # the dspark policy solid, plain dashed, the other policies dotted
+    return "-" if arm.startswith("dspark") else ("--" if arm == "off" else ":")
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -106,7 +110,7 @@ def plot(report: dict, path: Path) -> None:
         pts = [r for r in results if r["arm"] == arm and r["mode"] == "closed"]
         xs = [r["aggregate_tokens_per_s"] for r in pts]
         ys = [r["per_user_tokens_per_s"] for r in pts]
-        style = "-" if arm.startswith("dspark") else ("--" if arm == "off" else ":")
+        style = _line_style(arm)
         ax.plot(xs, ys, style, marker="o", label=arm)
         for r in pts:
             ax.annotate(f"{r['load']:g}", (r["aggregate_tokens_per_s"], r["per_user_tokens_per_s"]), fontsize=7,
@@ -165,7 +169,7 @@ def plot_open_loop(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for arm in dict.fromkeys(r["arm"] for r in ol):
         pts = sorted((r for r in ol if r["arm"] == arm), key=lambda r: r["rate"])
-        style = "-" if arm.startswith("dspark") else ("--" if arm == "off" else ":")
+        style = _line_style(arm)
         line, = ax.plot([r["rate"] for r in pts], [r["per_user_tokens_per_s"] for r in pts], style, label=arm)
         for r in pts:
             ax.plot(r["rate"], r["per_user_tokens_per_s"], "o", color=line.get_color(),
