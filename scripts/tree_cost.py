@@ -175,7 +175,8 @@ def write_readme(out: Path, res: dict, command: str) -> None:
     L += ["", "![verify cost](verify_cost.png)", "",
           f"## Chain against tree drafts of zoo/drafter ({a['prompts']} code_completion prompts, {a['max_tokens']} "
           f"new tokens, greedy, {a['dtype']}, medians of {a['decode_repeats']} interleaved repeats)", "",
-          "| arm | k | tok/s e2e | x plain e2e | x plain per token | τ | = plain |", "|---|---:|---:|---:|---:|---:|---|"]
+          "| arm | k | tok/s e2e | x plain e2e | x plain per token | τ | = plain |",
+          "|---|---:|---:|---:|---:|---:|---|"]
     for r in res["decode"]:
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         eq = "(reference)" if r["spec"] is None else f"{r['equal']}/{r['prompts']}"
@@ -198,7 +199,8 @@ def write_readme(out: Path, res: dict, command: str) -> None:
     L += ["- On this CPU a verify forward is compute-bound past a few rows: its cost grows with every node "
           "(the native chain of 64 costs "
           f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step), while draft trees assume a "
-          "verify forward whose cost barely grows with its rows (a GPU's premise, not measured here). A tree's extra nodes buy little τ (the draft model's top-1 chain is "
+          "verify forward whose cost barely grows with its rows (a GPU's premise, not measured here). A tree's "
+          "extra nodes buy little τ (the draft model's top-1 chain is "
           "usually the accepted path), so the cost of verifying them is not repaid; the torch path's fixed "
           "overhead (chain torch against chain native) is the rest of the gap. SpecMQuant reports the same "
           "finding for low-bit targets; the quantized report (reports/quant/) shows the 9-row int4 verify at "

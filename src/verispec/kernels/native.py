@@ -43,7 +43,8 @@ from verispec.paths import user_cache
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "decoder.c", "argmax.c"))
 QSOURCES = (Path(__file__).with_name("qgemm.c"),)  # a library of its own per ISA, built on first qlinear
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("vecmath.h", "simd.h", "weights.h"))  # included: part of the build hash
+# included by the sources: part of the build hash
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("vecmath.h", "simd.h", "weights.h"))
 PROBE = Path(__file__).with_name("cpu.c")
 BLOCK = 16  # output columns per packed block (gemm.c)
 # Instruction sets, slowest first, with their compiler flags and the CPU features they need (cpu.c's bits).
