@@ -356,9 +356,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the zoo's)")
     d.add_argument("--data-dir", type=Path, default=Path("data"))
     d.add_argument("--doc-dir", type=Path, default=None)
-    d.add_argument("--kind", default="model", choices=["model", "block", "dspark"],
+    d.add_argument("--kind", default="model", choices=["model", "block", "dspark", "eagle", "mtp", "medusa"],
                    help="model: a small causal LM; block: parallel block drafter (DFlash); dspark: block drafter "
-                        "with the Markov head and the confidence head")
+                        "with the Markov head and the confidence head; eagle: EAGLE-3-style feature drafter; mtp: "
+                        "DeepSeek-V3's MTP module; medusa: Medusa heads")
+    d.add_argument("--ttt-steps", type=int, default=None, help="eagle: unrolled steps of training-time test")
+    d.add_argument("--num-heads", type=int, default=None, help="medusa: number of heads")
+    d.add_argument("--draft-vocab", type=Path, default=None,
+                   help="eagle/mtp: a draft_vocab.json (e.g. zoo/dspark's) whose tokens the head trains and drafts over")
     d.add_argument("--loss", default=None, choices=list(LOSSES),
                    help="block drafters' loss (default: dspark for --kind dspark, ce+decay for block)")
     d.add_argument("--head", default=BlockTrainConfig.head, choices=list(SEQUENTIAL_HEADS),
@@ -461,6 +466,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         "" if target.resolve() == default_target().resolve() else f"-{target.resolve().name}")
     out = args.out or args.data_dir / "runs" / name
     zoo_dir = args.zoo_dir or Path("zoo") / name
+    if args.kind in ("eagle", "mtp", "medusa"):
+        from verispec.train.feature_recipe import train_feature_recipe
+
+        return train_feature_recipe(args, target, out, zoo_dir)
     if args.kind != "model":
         from verispec.train.block_recipe import train_block_recipe
 

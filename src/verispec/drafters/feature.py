@@ -1,0 +1,311 @@
+"""EAGLE-3 (`eagle:DIR`) and MTP (`mtp:DIR`) drafters: one decoder layer over the target's hidden states, drafting
+autoregressively from its own output states (model.feature). Chains by default; EAGLE-2 dynamic trees with
+`eagle(path=DIR, tree=auto, width=4, depth=4, nodes=16)` (drafters.tree).
+
+Per sequence the drafter keeps its layer's cache of committed entries: entry j (feature f_j, token x_{j+1}) exists
+once the target has computed h_j and x_{j+1} is committed. Hidden rows arrive from the prefill (`observe`) and from
+each verified round (`accept`: the anchor's row and the accepted drafts'); they wait until the next proposal, which
+knows the tokens that pair with them, and run as one forward whose last output starts the draft. Draft entries
+leave the cache after the proposal, so between rounds it holds committed entries only. With a context window W the
+proposal sees the latest W..2W committed entries (keys keep their positions), the range training showed the layer.
+
+A directory may ship a draft vocabulary (`draft_vocab.json`, FR-Spec, as EAGLE-3 reduces its head): the LM head
+runs over those rows only, and q is zero elsewhere, so verification stays exact.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verispec.cache import KVCache
+from verispec.config import ModelConfig, TreeConfig
+from verispec.drafters.base import (
+    EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
+)
+from verispec.drafters.block import check_draft_vocab, load_draft_vocab
+from verispec.drafters.model import TREE_OPTIONS, tree_config
+from verispec.drafters.tree import DynamicTree
+from verispec.errors import CheckpointError, ConfigError
+from verispec.model.checkpoint import DRAFTER_KIND_KEY
+from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
+from verispec.model.transformer import Transformer
+from verispec.sampling import probs_for, sample
+
+
+class FeatureDrafter(Drafter):
+    name = "eagle"
+
+    def __init__(self, model: FeatureDraftModel, target: Transformer, tree: TreeConfig = TreeConfig(),
+                 draft_vocab: torch.Tensor | None = None, context_window: int | None = None) -> None:
+        self.model, self.target, self.tree = model.eval(), target, tree
+        self.name = model.config.kind
+        self.capabilities = Capabilities(hidden_layers=model.config.target_layers, trees=tree.enabled)
+        self.draft_vocab = None if draft_vocab is None else check_draft_vocab(
+            draft_vocab, target.config.vocab_size).to(target.device)
+        self.window = model.config.context_window if context_window is None else context_window
+        if self.window < 0:
+            raise ConfigError(f"context_window must be >= 0 (0: the whole context), got {self.window}")
+        cpu_bf16 = model.dtype == torch.bfloat16 and target.device.type == "cpu"
+        self._cache_dtype = torch.float32 if cpu_bf16 else model.dtype  # the target cache's rule (KVCache.for_model)
+        self._caches: dict[int, KVCache] = {}
+        self._pending: dict[int, list[torch.Tensor]] = {}  # per sequence: features [n, d] not yet entered
+        self._entered: dict[int, torch.Tensor] = {}  # per sequence: features [cache.length, d] of its entries
+        self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (lm_head weight, its draft-vocab rows)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        cfg = self.target.config
+        rows = 2 * self.window + 64 if self.window else cfg.context_limit
+        self._caches[seq_id] = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, rows, dtype=self._cache_dtype,
+                                       device=self.target.device)
+        self._pending[seq_id] = []
+        self._entered[seq_id] = torch.zeros(0, cfg.hidden_size, dtype=self.model.dtype, device=self.target.device)
+
+    def finish(self, seq_id: int) -> None:
+        self._caches.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
+        self._entered.pop(seq_id, None)
+
+    def live_sequences(self) -> set[int]:
+        return set(self._caches) | set(self._pending) | set(self._entered)
+
+    def known(self, seq_id: int) -> int:
+        """Positions whose target hidden state the drafter holds (entered or pending)."""
+        return self._caches[seq_id].next_position + sum(p.shape[0] for p in self._pending[seq_id])
+
+    @torch.inference_mode()
+    def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        if start != self.known(seq_id):
+            raise ValueError(f"{self.name} drafter holds {self.known(seq_id)} positions, new rows start at {start}")
+        self._pending[seq_id].append(self.model.features(hidden))
+
+    @torch.inference_mode()
+    def accept(self, result: Verified) -> None:
+        # The anchor's and the accepted drafts' rows: positions anchor .. anchor + accepted
+        rows = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
+        self._pending[result.seq_id].append(self.model.features(rows))
+
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        # Entries cover positions [0, tokens - 1): keep [0, num_tokens - 1), the last of them pending again (a
+        # proposal needs its output state)
+        cache, end = self._caches[seq_id], num_tokens - 1
+        if end > cache.next_position:
+            self._pending[seq_id] = [torch.cat(self._pending[seq_id])[: end - cache.next_position]]
+            return
+        keep = end - 1 - cache.position_offset
+        if keep < 0:  # the window slid past it: start again from there (drafts resume after the next round)
+            cache.truncate(0)
+            cache.position_offset = end
+            self._pending[seq_id], self._entered[seq_id] = [], self._entered[seq_id][:0]
+            return
+        self._pending[seq_id] = [self._entered[seq_id][keep : keep + 1]]
+        self._entered[seq_id] = self._entered[seq_id][:keep]
+        cache.truncate(keep)
+
+    # ---- proposing ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Per request: one forward over its pending entries (the last one's output drafts the first token), then
+        one per drafted token (chain) or per tree depth over the frontier (tree)."""
+        drafts = []
+        for r in requests:
+            budget = min(r.budget, self.tree.nodes) if self.tree.enabled else r.budget
+            if budget <= 0:
+                drafts.append(EMPTY_DRAFT)
+                continue
+            if not self._pending[r.seq_id] and self.known(r.seq_id) == len(r.tokens) - 1:
+                drafts.append(EMPTY_DRAFT)  # no row before the anchor (a one-token prompt): nothing to draft from
+                continue
+            g = self._enter_pending(r)
+            cache = self._caches[r.seq_id]
+            committed = cache.length
+            try:
+                drafts.append(self._tree(r, g, budget, cache) if self.tree.enabled and budget > 1
+                              else self._chain(r, g, budget, cache))
+            finally:
+                cache.truncate(committed)  # draft entries never stay
+        return drafts
+
+    def _enter_pending(self, r: DraftRequest) -> torch.Tensor:  # [d] the output state of the anchor's entry
+        cache, feats = self._caches[r.seq_id], self._pending[r.seq_id]
+        anchor = len(r.tokens) - 1
+        if self.known(r.seq_id) != anchor:
+            raise RuntimeError(f"{self.name} drafter holds {self.known(r.seq_id)} positions, the anchor is at {anchor}")
+        f = torch.cat(feats) if len(feats) > 1 else feats[0]  # [n, d] for positions first .. anchor - 1
+        self._pending[r.seq_id] = []
+        first, entered = cache.next_position, self._entered[r.seq_id]
+        if self.window and cache.length + f.shape[0] > 2 * self.window:  # slide back to the latest W entries
+            keep = max(0, self.window - f.shape[0])
+            entered = entered[cache.length - keep :]
+            cache.drop_front(cache.length - keep)
+            if f.shape[0] > self.window:  # entries before the window are never needed: skip them
+                skip = f.shape[0] - self.window
+                cache.truncate(0)
+                cache.position_offset = first + skip
+                f, first = f[skip:], first + skip
+        device = self.target.device
+        toks = torch.tensor(r.tokens[first + 1 : anchor + 1], device=device)
+        u = self.model.inputs(self.target.model.embed_tokens, toks[None], f[None])
+        g = self.model.step(u, torch.arange(first, anchor, device=device), cache, None)
+        self._entered[r.seq_id] = torch.cat([entered, f])
+        return g[0, -1]
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V] fp32, -inf outside the draft vocab
+        weight = self.target.lm_head.weight
+        if self._head is None or self._head[0] is not weight:
+            rows = weight if self.draft_vocab is None else weight[self.draft_vocab].contiguous()
+            self._head = (weight, rows)
+        small = self.model.logits(g, self._head[1])
+        if self.draft_vocab is None:
+            return small
+        full = small.new_full((small.shape[0], self.target.config.vocab_size), float("-inf"))
+        full[:, self.draft_vocab] = small
+        return full
+
+    def _q(self, logits: torch.Tensor, r: DraftRequest) -> torch.Tensor:  # [F, V] -> [F, V]
+        return logits.softmax(dim=-1) if r.params.greedy else probs_for(logits, r.params)
+
+    def _chain(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache) -> Draft:
+        tokens, rows, conf = [], [], []
+        device, pos = self.target.device, len(r.tokens) - 1
+        for i in range(budget):
+            logits = self._logits(g[None])  # [1, V]
+            q = self._q(logits, r)[0]
+            x = int(logits[0].argmax()) if r.params.greedy else int(sample(q, r.generator))
+            tokens.append(x)
+            conf.append(float(q[x]))
+            if not r.params.greedy:
+                rows.append(q)
+            if i + 1 < budget:  # the entry reading x at position anchor + i, its feature the last output state
+                u = self.model.inputs(self.target.model.embed_tokens, torch.tensor([[x]], device=device), g[None, None])
+                g = self.model.step(u, torch.tensor([pos + i], device=device), cache, None)[0, -1]
+        return Draft.chain(tokens, torch.stack(rows) if rows else None, torch.tensor(conf))
+
+    def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache) -> Draft:
+        """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
+        and its own token at position anchor + depth - 1) over the committed entries and its ancestors'."""
+        tree, device = DynamicTree(self.tree, budget), self.target.device
+        committed, anchor = cache.length, len(r.tokens) - 1
+        state: dict[int, torch.Tensor] = {-1: g}  # node -> output state of its entry (-1: the anchor's)
+        row: dict[int, int] = {}  # node -> its cache row
+        frontier = tree.grow([-1], self._q(self._logits(g[None]), r))
+        while frontier:
+            nodes = [tree.nodes[n] for n in frontier]
+            length = cache.length
+            mask = torch.zeros(len(frontier), length + len(frontier), dtype=torch.bool)
+            mask[:, :committed] = True
+            for f, n in enumerate(frontier):
+                for a in tree.path(n)[:-1]:
+                    mask[f, row[a]] = True
+                mask[f, length + f] = True
+                row[n] = length + f
+            feats = torch.stack([state[node.parent] for node in nodes])[None]  # [1, F, d]
+            toks = torch.tensor([[node.token for node in nodes]], device=device)
+            u = self.model.inputs(self.target.model.embed_tokens, toks, feats)
+            positions = torch.tensor([anchor + node.depth - 1 for node in nodes], device=device)
+            out = self.model.step(u, positions, cache, mask.to(device))[0]  # [F, d]
+            for f, n in enumerate(frontier):
+                state[n] = out[f]
+            frontier = tree.grow(frontier, self._q(self._logits(out), r))
+        return tree.draft()
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------------
+def save_feature_drafter(model: FeatureDraftModel, path: Path, extra: dict | None = None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    t = model.target_config
+    meta = {DRAFTER_KIND_KEY: model.config.kind, "feature": model.config.to_dict(),
+            "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+                       "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
+    (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+
+
+def read_feature_drafter(path: str | Path, target_cfg: ModelConfig, kind: str) -> FeatureDraftModel:
+    """The fp32 FeatureDraftModel of kind `kind` stored in `path`, checked against the target's config; a
+    CheckpointError names whatever does not fit."""
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise CheckpointError(f"{path} is not a {kind} drafter checkpoint (needs config.json and model.safetensors)")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not a {kind} drafter config: {e}") from None
+    found = meta.get(DRAFTER_KIND_KEY) if isinstance(meta, dict) else None
+    if found != kind:
+        what = f"a {found} drafter" if found else "not a verispec drafter"
+        raise CheckpointError(f"{path} holds {what}, not a {kind} drafter")
+    try:
+        cfg = FeatureConfig(**meta["feature"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{cfg_file} is not a {kind} drafter config: {e}") from None
+    want = meta.get("target", {})
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if want.get(key) != getattr(target_cfg, key):
+            raise CheckpointError(f"{kind} drafter {path} was trained for a target with {key}={want.get(key)}, "
+                                  f"this target has {getattr(target_cfg, key)}")
+    if any(not 0 <= layer <= target_cfg.num_hidden_layers for layer in cfg.target_layers):
+        raise CheckpointError(f"{cfg_file}: target layers {cfg.target_layers} outside 0..{target_cfg.num_hidden_layers}")
+    model = FeatureDraftModel(target_cfg, cfg)
+    state = load_file(str(weights))
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in expected.items():
+        if state[k].shape != v.shape:
+            raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model
+
+
+def load_feature_drafter(path: str | Path, target: Transformer, kind: str, tree: TreeConfig = TreeConfig(),
+                         draft_vocab: bool = True, context_window: int | None = None) -> FeatureDrafter:
+    """A trained EAGLE-3 or MTP drafter for `target`, computing in the target's dtype."""
+    model = read_feature_drafter(path, target.config, kind)
+    model = model.to(device=target.device, dtype=target.dtype)
+    model.rotary_emb = type(model.rotary_emb)(target.config).to(target.device)  # RoPE tables stay fp32
+    vocab = load_draft_vocab(Path(path), target.config.vocab_size) if draft_vocab else None
+    return FeatureDrafter(model, target, tree, vocab, context_window)
+
+
+def _bench_spec(kind: str):
+    def spec(zoo: Path) -> str | None:
+        return f"{kind}:{zoo / kind}" if (zoo / kind / "config.json").is_file() else None
+
+    return spec
+
+
+def _factory(kind: str):
+    def build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
+              options: dict[str, str] | None = None) -> FeatureDrafter:
+        opts = dict(options or {})
+        path = opts.pop("path", None) or arg
+        tree = tree_config(opts, kind)
+        window = opts.pop("window", None)
+        full = opts.pop("vocab", "draft")
+        if opts:
+            raise ConfigError(f"{kind} takes no option {sorted(opts)[0]!r}; options: path, window, vocab, "
+                              f"{', '.join(TREE_OPTIONS)}")
+        if path is None:
+            raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
+        if window is not None and not window.isdigit():
+            raise ConfigError(f"{kind} option window: expected a whole number >= 0, got {window!r}")
+        if full not in ("draft", "full"):
+            raise ConfigError(f"{kind} option vocab: draft or full, got {full!r}")
+        return load_feature_drafter(path, target, kind, tree, draft_vocab=full == "draft",
+                                    context_window=None if window is None else int(window))
+
+    build.__doc__ = (f"`{kind}:DIR` or `{kind}(path=DIR, tree=auto|off, width=W, depth=D, nodes=N, window=W, "
+                     f"vocab=draft|full)`: a trained {kind} drafter for this target.")
+    return build
+
+
+for _kind in FEATURE_KINDS:
+    register_drafter(_kind, bench_spec=_bench_spec(_kind), structured=True)(_factory(_kind))

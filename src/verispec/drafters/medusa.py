@@ -1,0 +1,206 @@
+"""Medusa heads as a drafter (`medusa:DIR`; `medusa(path=DIR, tree=auto, nodes=N)` for its static sparse tree).
+
+The heads read the target's last hidden state at the position before the anchor, which the verify forward (or the
+prefill) computed: `accept` and `observe` keep that row, and a proposal is K head rows over it. A chain drafts the
+heads' choices (argmax at temperature 0, else a sample of each head's q: the heads are independent of the path, so
+each q is exact for its token); a tree takes the checkpoint's rank paths (model.medusa.sparse_tree) as point masses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verispec.config import ModelConfig, TreeConfig
+from verispec.drafters.base import (
+    EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
+)
+from verispec.drafters.model import TREE_OPTIONS, tree_config
+from verispec.errors import CheckpointError, ConfigError
+from verispec.model.checkpoint import DRAFTER_KIND_KEY
+from verispec.model.medusa import MedusaConfig, MedusaHeads
+from verispec.model.transformer import Transformer
+from verispec.sampling import probs_for, sample
+
+HISTORY = 256  # last-layer rows kept per sequence: how far a composed drafter's rollback may reach
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+
+    def __init__(self, model: MedusaHeads, target: Transformer, tree: TreeConfig = TreeConfig()) -> None:
+        self.model, self.target, self.tree = model.eval(), target, tree
+        self.capabilities = Capabilities(hidden_layers=(model.config.target_layer,), trees=tree.enabled)
+        paths = [p for p in model.config.tree if len(p) <= tree.depth and max(p) < tree.width]
+        self.paths = paths or [(0,)]
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (position of the first row, rows [n, d])
+
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        self._rows[seq_id] = (0, self.target.model.norm.weight.new_zeros(0, self.target.config.hidden_size))
+
+    def finish(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+
+    def live_sequences(self) -> set[int]:
+        return set(self._rows)
+
+    def _append(self, seq_id: int, start: int, h: torch.Tensor) -> None:
+        first, rows = self._rows[seq_id]
+        if start != first + rows.shape[0]:
+            raise ValueError(f"medusa holds rows up to position {first + rows.shape[0]}, new rows start at {start}")
+        rows = torch.cat([rows, h])
+        drop = max(0, rows.shape[0] - HISTORY)
+        self._rows[seq_id] = (first + drop, rows[drop:])
+
+    @torch.inference_mode()
+    def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        self._append(seq_id, start, hidden[self.model.config.target_layer])
+
+    @torch.inference_mode()
+    def accept(self, result: Verified) -> None:
+        first, rows = self._rows[result.seq_id]
+        self._append(result.seq_id, first + rows.shape[0],
+                     result.target_hidden[self.model.config.target_layer][: result.num_accepted + 1])
+
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        first, rows = self._rows[seq_id]  # rows cover positions [first, tokens - 1): keep those before num_tokens - 1
+        keep = num_tokens - 1 - first
+        if keep < 1 and first > 0:
+            raise RuntimeError(f"medusa rolled back to {num_tokens} tokens, before the {HISTORY} rows it keeps")
+        self._rows[seq_id] = (first, rows[: max(0, keep)])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One pass of the heads over every request's last row."""
+        k = self.model.config.num_heads
+        live = [i for i, r in enumerate(requests) if r.budget > 0]
+        drafts = [EMPTY_DRAFT] * len(requests)
+        if not live:
+            return drafts
+        last = []
+        for i in list(live):
+            r = requests[i]
+            first, rows = self._rows[r.seq_id]
+            if rows.shape[0] == 0 and first == len(r.tokens) - 1:  # no row before the anchor: a one-token prompt
+                live.remove(i)
+                continue
+            if first + rows.shape[0] != len(r.tokens) - 1:
+                raise RuntimeError(f"medusa holds rows up to position {first + rows.shape[0]}, the anchor is at "
+                                   f"{len(r.tokens) - 1}")
+            last.append(rows[-1])
+        if not live:
+            return drafts
+        x = self.target.model.norm(torch.stack(last))  # [R, d]
+        logits = self.target.lm_head(self.model.states(x.to(self.model.heads[0].weight.dtype)).to(x.dtype)).float()
+        for row, i in enumerate(live):  # logits[row]: [K, V]
+            r = requests[i]
+            if self.tree.enabled and r.budget > 1:
+                drafts[i] = self._tree(logits[row], r)
+                continue
+            n = min(r.budget, k)
+            if r.params.greedy:
+                q = logits[row, :n].softmax(-1)
+                tokens = logits[row, :n].argmax(-1)
+                drafts[i] = Draft.chain(tokens.tolist(), None, q.gather(1, tokens[:, None])[:, 0])
+            else:
+                q = probs_for(logits[row, :n], r.params)
+                tokens = sample(q, r.generator)
+                drafts[i] = Draft.chain(tokens.tolist(), q, q.gather(1, tokens[:, None])[:, 0])
+        return drafts
+
+    def _tree(self, logits: torch.Tensor, r: DraftRequest) -> Draft:  # logits [K, V]
+        """The static tree's first paths that fit the budget, each node head depth's rank-th choice (point
+        masses; the heads' q ranks at any temperature, the request's processed q when it samples)."""
+        q = logits.softmax(-1) if r.params.greedy else probs_for(logits, r.params)
+        width = max(max(p) for p in self.paths) + 1
+        top_p, top_x = q.topk(min(width, q.shape[-1]), dim=-1)  # [K, width]
+        index: dict[tuple[int, ...], int] = {}
+        tokens, parents, conf = [], [], []
+        for path in self.paths:
+            if len(tokens) == min(r.budget, self.tree.nodes):
+                break
+            depth, rank = len(path) - 1, path[-1]
+            if rank >= top_x.shape[1] or float(top_p[depth, rank]) <= 0:
+                continue  # a token q rules out is never worth verifying
+            if len(path) > 1 and path[:-1] not in index:
+                continue
+            index[path] = len(tokens)
+            tokens.append(int(top_x[depth, rank]))
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)
+            conf.append(float(top_p[depth, rank]))
+        return Draft(tokens, confidence=torch.tensor(conf), parents=tuple(parents))
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------------
+def save_medusa(model: MedusaHeads, path: Path, extra: dict | None = None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    t = model.target_config
+    meta = {DRAFTER_KIND_KEY: "medusa", "medusa": model.config.to_dict(),
+            "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+                       "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
+    (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+
+
+def read_medusa(path: str | Path, target_cfg: ModelConfig) -> MedusaHeads:
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise CheckpointError(f"{path} is not a medusa checkpoint (needs config.json and model.safetensors)")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not a medusa config: {e}") from None
+    found = meta.get(DRAFTER_KIND_KEY) if isinstance(meta, dict) else None
+    if found != "medusa":
+        raise CheckpointError(f"{path} holds {f'a {found} drafter' if found else 'not a verispec drafter'}, "
+                              "not medusa heads")
+    try:
+        cfg = MedusaConfig(**meta["medusa"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{cfg_file} is not a medusa config: {e}") from None
+    want = meta.get("target", {})
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if want.get(key) != getattr(target_cfg, key):
+            raise CheckpointError(f"medusa heads {path} were trained for a target with {key}={want.get(key)}, "
+                                  f"this target has {getattr(target_cfg, key)}")
+    if not 0 <= cfg.target_layer <= target_cfg.num_hidden_layers:
+        raise CheckpointError(f"{cfg_file}: target layer {cfg.target_layer} outside 0..{target_cfg.num_hidden_layers}")
+    model = MedusaHeads(target_cfg, cfg)
+    state, expected = load_file(str(weights)), model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in expected.items():
+        if state[k].shape != v.shape:
+            raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model
+
+
+def load_medusa(path: str | Path, target: Transformer, tree: TreeConfig = TreeConfig()) -> MedusaDrafter:
+    model = read_medusa(path, target.config).to(device=target.device, dtype=target.dtype)
+    return MedusaDrafter(model, target, tree)
+
+
+def _bench_spec(zoo: Path) -> str | None:
+    return f"medusa:{zoo / 'medusa'}" if (zoo / "medusa" / "config.json").is_file() else None
+
+
+@register_drafter("medusa", bench_spec=_bench_spec, structured=True)
+def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
+           options: dict[str, str] | None = None) -> MedusaDrafter:
+    """`medusa:DIR` or `medusa(path=DIR, tree=auto|off, width=W, depth=D, nodes=N)`: trained Medusa heads; a tree
+    takes the checkpoint's static paths whose ranks are below W and depths at most D, the first N of them."""
+    opts = dict(options or {})
+    path = opts.pop("path", None) or arg
+    tree = tree_config(opts, "medusa")
+    if opts:
+        raise ConfigError(f"medusa takes no option {sorted(opts)[0]!r}; options: path, {', '.join(TREE_OPTIONS)}")
+    if path is None:
+        raise CheckpointError("the medusa drafter needs a checkpoint: medusa:DIR")
+    return load_medusa(path, target, tree)
