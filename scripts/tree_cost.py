@@ -1,4 +1,5 @@
-"""Issue 21's first tree measurements on this CPU, written to reports/trees/ (README.md, results.json, verify_cost.png).
+"""Issue 21's tree and drafter measurements on this CPU, written to reports/trees/ (README.md, results.json,
+verify_cost.png).
 
     python scripts/tree_cost.py --out reports/trees
 
@@ -6,9 +7,10 @@
    positions, N = 1..64, three ways, interleaved, medians: a chain on the native decoder (what chains run), the
    same chain on the torch path (explicit positions; separates the path's cost from the mask's) and a 4-ary tree
    of N nodes (positions and a tree mask: the torch path, since the native kernels decline non-causal masks).
-2. Chain against tree drafts of the zoo's draft model on code prompts: plain, a chain of k, and EAGLE-2 dynamic
-   trees of several sizes, arms interleaved per prompt, medians over repeats; τ, speed per output token and end
-   to end against plain, and whether every output equals plain decoding.
+2. Chains against trees of every zoo drafter that drafts both (the draft model, EAGLE-3 and MTP with EAGLE-2
+   dynamic trees, Medusa with its static tree) and DSpark's chain, on code and prose prompts: arms interleaved per
+   prompt, medians over repeats; τ, drafting time per round, speed per output token and end to end against plain,
+   and whether every output equals plain decoding.
 """
 
 from __future__ import annotations
@@ -31,15 +33,32 @@ from verispec.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-DRAFT = ROOT / "zoo/drafter"
-# arm -> (drafter spec or None, k)
-ARMS = {
-    "plain": (None, 0),
-    "chain k=8": (f"model:{DRAFT}", 8),
-    "tree 8 nodes (width 4, depth 4)": (f"model(path={DRAFT}, tree=auto, width=4, depth=4, nodes=8)", 8),
-    "tree 16 nodes (width 4, depth 8)": (f"model(path={DRAFT}, tree=auto, width=4, depth=8, nodes=16)", 16),
-    "tree 32 nodes (width 4, depth 8)": (f"model(path={DRAFT}, tree=auto, width=4, depth=8, nodes=32)", 32),
-}
+ZOO = ROOT / "zoo"
+TASKS = ("code_completion", "prose")
+
+
+def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
+    """arm -> (drafter spec or None, k, drafter): chains and trees of every zoo drafter that can draft them."""
+    d, e, m, md, ds = (zoo / n for n in ("drafter", "eagle", "mtp", "medusa", "dspark"))
+    arms: dict[str, tuple[str | None, int, str]] = {"plain": (None, 0, "plain")}
+    if (d / "config.json").is_file():
+        arms |= {"model chain k=8": (f"model:{d}", 8, "model"),
+                 "model tree 8 (w4 d4)": (f"model(path={d}, tree=auto, width=4, depth=4, nodes=8)", 8, "model"),
+                 "model tree 16 (w4 d8)": (f"model(path={d}, tree=auto, width=4, depth=8, nodes=16)", 16, "model")}
+    for kind, path in (("eagle", e), ("mtp", m)):
+        if (path / "config.json").is_file():
+            arms |= {f"{kind} chain k=8": (f"{kind}:{path}", 8, kind),
+                     f"{kind} tree 8 (w4 d4)": (f"{kind}(path={path}, tree=auto, width=4, depth=4, nodes=8)", 8, kind),
+                     f"{kind} tree 16 (w4 d8)": (f"{kind}(path={path}, tree=auto, width=4, depth=8, nodes=16)", 16,
+                                                 kind)}
+    if (md / "config.json").is_file():
+        heads = json.loads((md / "config.json").read_text())["medusa"]["num_heads"]
+        arms |= {f"medusa chain k={heads}": (f"medusa:{md}", heads, "medusa"),
+                 "medusa tree 8": (f"medusa(path={md}, tree=auto, width=8, depth={heads}, nodes=8)", 8, "medusa"),
+                 "medusa tree 16": (f"medusa(path={md}, tree=auto, width=8, depth={heads}, nodes=16)", 16, "medusa")}
+    if (ds / "config.json").is_file():
+        arms["dspark chain k=8"] = (f"dspark:{ds}", 8, "dspark")
+    return arms
 
 
 def four_ary(n: int) -> list[int]:  # parents of a breadth-first 4-ary tree of n nodes (-1: the anchor)
@@ -89,24 +108,26 @@ def verify_cost(target_dir: Path, dtype: str, context: int, repeats: int) -> lis
     return rows
 
 
-def decode_arms(target_dir: Path, dtype: str, n_prompts: int, max_tokens: int, repeats: int) -> list[dict]:
+def decode_arms(target_dir: Path, dtype: str, task: str, n_prompts: int, max_tokens: int, repeats: int,
+                arms: dict[str, tuple[str | None, int, str]]) -> list[dict]:
+    """Every arm on the task's first n prompts, arms interleaved per prompt; medians over repeats."""
     tok = Tokenizer.from_dir(target_dir)
-    prompts = [tok.encode(r["prompt"])[-(2048 - max_tokens - 40):] for r in load_task("code_completion")[:n_prompts]]
+    prompts = [tok.encode(r["prompt"])[-(2048 - max_tokens - 40):] for r in load_task(task)[:n_prompts]]
     target = load_model(target_dir, dtype)
-    arms = {name: LLM(target, drafter=spec, k=k, tokenizer=target_dir) if spec else LLM(target, tokenizer=target_dir)
-            for name, (spec, k) in ARMS.items()}
+    llms = {name: LLM(target, drafter=spec, k=k, tokenizer=target_dir) if spec else LLM(target, tokenizer=target_dir)
+            for name, (spec, k, _) in arms.items()}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for llm in arms.values():
+    for llm in llms.values():
         llm.generate(prompts[0], params)
-    tot = {a: [] for a in arms}
-    dec = {a: [] for a in arms}
-    stats = {a: {"tokens": 0, "drafts": 0, "accepted": 0, "equal": 0} for a in arms}
+    tot = {a: [] for a in llms}
+    dec = {a: [] for a in llms}
+    stats = {a: {"tokens": 0, "drafts": 0, "accepted": 0, "equal": 0, "draft_s": 0.0, "rounds": 0} for a in llms}
     for rep in range(repeats):
-        t_rep = {a: 0.0 for a in arms}
-        d_rep = {a: 0.0 for a in arms}
+        t_rep = {a: 0.0 for a in llms}
+        d_rep = {a: 0.0 for a in llms}
         for p in prompts:
             plain = None
-            for a, llm in arms.items():
+            for a, llm in llms.items():
                 r = llm.generate(p, params)[0]
                 t_rep[a] += r.stats.elapsed_s
                 d_rep[a] += r.stats.decode_s
@@ -115,20 +136,25 @@ def decode_arms(target_dir: Path, dtype: str, n_prompts: int, max_tokens: int, r
                 elif rep == 0:
                     stats[a]["equal"] += r.token_ids == plain
                 if rep == 0:
-                    stats[a]["tokens"] += len(r.token_ids)
-                    stats[a]["drafts"] += r.stats.num_drafts
-                    stats[a]["accepted"] += r.stats.num_accepted_tokens
-        for a in arms:
+                    s = stats[a]
+                    s["tokens"] += len(r.token_ids)
+                    s["drafts"] += r.stats.num_drafts
+                    s["accepted"] += r.stats.num_accepted_tokens
+                    s["draft_s"] += r.stats.draft_s
+                    s["rounds"] += r.stats.num_rounds
+        for a in llms:
             tot[a].append(t_rep[a])
             dec[a].append(d_rep[a])
     out = []
-    for a in arms:
+    for a in llms:
         s = stats[a]
-        out.append({"arm": a, "spec": ARMS[a][0], "k": ARMS[a][1],
+        spec, k, family = arms[a]
+        out.append({"arm": a, "spec": spec, "k": k, "drafter": family, "task": task,
                     "tokens_per_s": s["tokens"] / statistics.median(tot[a]),
                     "speedup": statistics.median(b / t for b, t in zip(tot["plain"], tot[a])),
                     "decode_speedup": statistics.median(b / t for b, t in zip(dec["plain"], dec[a])),
                     "tau": 1 + s["accepted"] / s["drafts"] if s["drafts"] else None,
+                    "draft_ms_per_round": 1e3 * s["draft_s"] / s["rounds"] if s["rounds"] else 0.0,
                     "equal": s["equal"], "prompts": len(prompts)})
     return out
 
@@ -155,11 +181,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write_readme(out: Path, res: dict, command: str) -> None:
-    cost, arms = res["verify_cost"], {a["arm"]: a for a in res["decode"]}
+    cost = res["verify_cost"]
     by_n = {r["nodes"]: r for r in cost}
     a = res["args"]
-    L = ["# Draft trees on a CPU (issue 21, first measurements)", "",
-         "Produced by one command (a few minutes; the numbers are also in results.json):", "", "```bash", command,
+    L = ["# Draft trees and the peers' drafters on a CPU (issue 21)", "",
+         "Produced by one command (about 15 minutes; the numbers are also in results.json):", "", "```bash", command,
          "```", "", "Machine (lscpu):", "", "```", *res["cpu"], "```", "",
          f"## Verify cost per node count ({a['dtype']} zoo/target, {a['context']} cached positions, 2 threads)", "",
          "One target forward of the anchor and N draft nodes, median of interleaved repeats, ms. *chain native*: "
@@ -172,47 +198,58 @@ def write_readme(out: Path, res: dict, command: str) -> None:
     for r in cost[1:]:
         L.append(f"| {r['nodes']} | {r['chain native']:.2f} | {r['chain torch']:.2f} | {r['tree torch']:.2f} | "
                  f"{r['tree torch'] / r['chain native']:.2f}x |")
-    L += ["", "![verify cost](verify_cost.png)", "",
-          f"## Chain against tree drafts of zoo/drafter ({a['prompts']} code_completion prompts, {a['max_tokens']} "
-          f"new tokens, greedy, {a['dtype']}, medians of {a['decode_repeats']} interleaved repeats)", "",
-          "| arm | k | tok/s e2e | x plain e2e | x plain per token | τ | = plain |",
-          "|---|---:|---:|---:|---:|---:|---|"]
-    for r in res["decode"]:
-        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
-        eq = "(reference)" if r["spec"] is None else f"{r['equal']}/{r['prompts']}"
-        L.append(f"| {r['arm']} | {r['k']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
-                 f"{r['decode_speedup']:.2f}x | {tau} | {eq} |")
-    chain = arms["chain k=8"]
-    trees = [r for r in res["decode"] if r["arm"].startswith("tree")]
-    best = max(trees, key=lambda r: r["decode_speedup"])
-    L += ["", "## Does a tree pay here?", "",
-          f"- Goal (issue 21): the best tree >= 1.1x the best chain of the same drafter per output token. Best tree "
-          f"here: {best['arm']}, {best['decode_speedup'] / chain['decode_speedup']:.2f}x the chain of 8 -> "
-          f"**{'met' if best['decode_speedup'] >= 1.1 * chain['decode_speedup'] else 'not met'}**."]
-    for r in trees:
-        n = r["k"]
-        if n in by_n and r["tau"]:
-            L.append(f"- {r['arm']}: τ {r['tau'] / chain['tau']:.2f}x the chain's, for a verify forward "
-                     f"{by_n[n]['tree torch'] / by_n[8]['chain native']:.2f}x the chain's as run "
-                     f"({by_n[n]['chain native'] / by_n[8]['chain native']:.2f}x even with a native tree kernel "
-                     f"costing what a native chain of {n} does).")
-    L += ["- On this CPU a verify forward is compute-bound past a few rows: its cost grows with every node "
+    L += ["", "![verify cost](verify_cost.png)", ""]
+    goals = []
+    for task, rows in res["decode"].items():
+        L += [f"## Chains and trees per drafter: {task} ({a['prompts']} prompts, {a['max_tokens']} new tokens, greedy, "
+              f"{a['dtype']}, medians of {a['decode_repeats']} interleaved repeats)", "",
+              "*x plain per token* leaves the prefill out (the target's prompt pass, the same in every arm); *draft ms* "
+              "is the drafter's time per target forward (propose, observe, accept).", "",
+              "| arm | k / nodes | tok/s e2e | x plain e2e | x plain per token | τ | draft ms / round | = plain |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in rows:
+            tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+            eq = "(reference)" if r["spec"] is None else f"{r['equal']}/{r['prompts']}"
+            L.append(f"| {r['arm']} | {r['k']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+                     f"{r['decode_speedup']:.2f}x | {tau} | {r.get('draft_ms_per_round', 0):.2f} | {eq} |")
+        L.append("")
+        for family in dict.fromkeys(r["drafter"] for r in rows if r["spec"]):
+            mine = [r for r in rows if r["drafter"] == family]
+            chains = [r for r in mine if " chain" in r["arm"]]
+            trees = [r for r in mine if " tree" in r["arm"]]
+            if chains and trees:
+                c = max(chains, key=lambda r: r["decode_speedup"])
+                t = max(trees, key=lambda r: r["decode_speedup"])
+                ratio = t["decode_speedup"] / c["decode_speedup"]
+                goals.append(f"- {task}, {family}: best tree ({t['arm']}, τ {t['tau']:.2f}) is {ratio:.2f}x its best "
+                             f"chain ({c['arm']}, τ {c['tau']:.2f}) per output token -> "
+                             f"**{'met' if ratio >= 1.1 else 'not met'}**")
+        by_arm = {r["arm"]: r for r in rows}
+        e, d = by_arm.get("eagle chain k=8"), by_arm.get("dspark chain k=8")
+        if e and d and e["tau"] and d["tau"]:
+            goals.append(f"- {task}: EAGLE-3 chain τ {e['tau']:.2f} at {e['draft_ms_per_round']:.2f} ms of drafting "
+                         f"a round against DSpark's τ {d['tau']:.2f} at {d['draft_ms_per_round']:.2f} ms -> EAGLE τ >= "
+                         f"DSpark's: **{'met' if e['tau'] >= d['tau'] else 'not met'}** (per output token "
+                         f"{e['decode_speedup']:.2f}x against {d['decode_speedup']:.2f}x plain)")
+    L += ["## Goals (issue 21)", "", "Best tree >= 1.1x the best chain of the same drafter per output token; EAGLE-3 "
+          "τ >= DSpark's on code at the same draft cost:", "", *goals, ""]
+    L += ["## Does a tree pay here?", "",
+          "- On this CPU a verify forward is compute-bound past a few rows: its cost grows with every node "
           "(the native chain of 64 costs "
-          f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step), while draft trees assume a "
-          "verify forward whose cost barely grows with its rows (a GPU's premise, not measured here). A tree's "
-          "extra nodes buy little τ (the draft model's top-1 chain is "
-          "usually the accepted path), so the cost of verifying them is not repaid; the torch path's fixed "
-          "overhead (chain torch against chain native) is the rest of the gap. SpecMQuant reports the same "
-          "finding for low-bit targets; the quantized report (reports/quant/) shows the 9-row int4 verify at "
-          "2.5-3x a one-token step.",
-          "- Not measured yet (issue 21 asks for them): EAGLE-3, MTP and Medusa drafters and their trees, DSpark "
-          "node budgets, prose prompts, a native tree-mask attention kernel.", ""]
+          f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step), and trees run on the torch "
+          f"path ({by_n[8]['tree torch'] / by_n[8]['chain native']:.2f}x a native chain's forward at 8 nodes: the "
+          "native kernels decline non-causal masks). Draft trees assume a verify forward whose cost barely grows "
+          "with its rows (a GPU's premise, not measured here). SpecMQuant reports the same finding for low-bit "
+          "targets; the quantized report (reports/quant/) shows the 9-row int4 verify at 2.5-3x a one-token step.",
+          *[line for line in res.get("notes", [])], ""]
     (out / "README.md").write_text("\n".join(L))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=ROOT / "zoo/target")
+    ap.add_argument("--zoo", type=Path, default=ZOO, help="where the drafters are (model, eagle, mtp, medusa, dspark)")
+    ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=15, help="verify-cost repeats")
@@ -231,7 +268,9 @@ def main() -> None:
     set_threads(args.threads)
     cost = verify_cost(args.target, args.dtype, args.context, args.repeats)
     print("verify cost done", flush=True)
-    arms = decode_arms(args.target, args.dtype, args.prompts, args.max_tokens, args.decode_repeats)
+    specs = arm_specs(args.zoo)
+    arms = {task: decode_arms(args.target, args.dtype, task, args.prompts, args.max_tokens, args.decode_repeats, specs)
+            for task in args.tasks.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
     cpu = [line.strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
            if line.startswith(("Model name", "CPU family", "Model:", "Flags"))]

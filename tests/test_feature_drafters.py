@@ -348,3 +348,24 @@ def test_resume_continues_exactly(setup, tmp_path):
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
     assert json.loads((tmp_path / "a" / "state" / "meta.json").read_text())["step"] == 6
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa"])
+def test_loaded_drafters_pack_and_stay_exact_on_a_bf16_target(kind, tmp_path, target):
+    """As loaded for serving: on a bf16 target on CPU the drafter computes in fp32 over packed weights; greedy
+    output still equals the bf16 target's plain decoding."""
+    from verispec.model import load_model
+
+    save_model(target, tmp_path / "t")
+    bf16 = load_model(tmp_path / "t", "bf16")
+    if kind == "medusa":
+        save_medusa(make_medusa(target), tmp_path / "d")
+        drafter = load_medusa(tmp_path / "d", bf16)
+        assert drafter.model.heads[0].weight.dtype == torch.float32
+    else:
+        save_feature_drafter(make_feature(target, kind), tmp_path / "d")
+        drafter = load_feature_drafter(tmp_path / "d", bf16, kind, TREES["tree"])
+        assert drafter.model.dtype == torch.float32 and drafter.model.layer.mlp.gate_up_weight is not None
+    for prompt in PROMPTS[:2]:
+        ref = decode(bf16, prompt, GREEDY).token_ids
+        assert decode(bf16, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=4)).token_ids == ref

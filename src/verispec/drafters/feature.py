@@ -32,6 +32,7 @@ from verispec.drafters.tree import DynamicTree
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
+from verispec.model.packing import PackedWeight, pack
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -54,7 +55,8 @@ class FeatureDrafter(Drafter):
         self._caches: dict[int, KVCache] = {}
         self._pending: dict[int, list[torch.Tensor]] = {}  # per sequence: features [n, d] not yet entered
         self._entered: dict[int, torch.Tensor] = {}  # per sequence: features [cache.length, d] of its entries
-        self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (lm_head weight, its draft-vocab rows)
+        # (lm_head weight, its draft-vocab rows in the drafter's dtype, their packed copy)
+        self._head: tuple[torch.Tensor, torch.Tensor, PackedWeight | None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, seq_id: int, prompt: list[int]) -> None:
@@ -157,9 +159,10 @@ class FeatureDrafter(Drafter):
     def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V] fp32, -inf outside the draft vocab
         weight = self.target.lm_head.weight
         if self._head is None or self._head[0] is not weight:
-            rows = weight if self.draft_vocab is None else weight[self.draft_vocab].contiguous()
-            self._head = (weight, rows)
-        small = self.model.logits(g, self._head[1])
+            rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
+            rows = rows.to(self.model.dtype).contiguous()
+            self._head = (weight, rows, pack(rows))
+        small = self.model.logits(g, self._head[1], self._head[2])
         if self.draft_vocab is None:
             return small
         full = small.new_full((small.shape[0], self.target.config.vocab_size), float("-inf"))
@@ -267,10 +270,14 @@ def read_feature_drafter(path: str | Path, target_cfg: ModelConfig, kind: str) -
 
 def load_feature_drafter(path: str | Path, target: Transformer, kind: str, tree: TreeConfig = TreeConfig(),
                          draft_vocab: bool = True, context_window: int | None = None) -> FeatureDrafter:
-    """A trained EAGLE-3 or MTP drafter for `target`, computing in the target's dtype."""
+    """A trained EAGLE-3 or MTP drafter for `target`, computing in the target's dtype except for a bf16 target on
+    CPU: there in fp32 (bf16 elementwise ops are slow on CPUs; its bf16-valued weights still pack in bf16, so the
+    matmuls read half the bytes). Its precision never changes the output, only which drafts are proposed."""
     model = read_feature_drafter(path, target.config, kind)
-    model = model.to(device=target.device, dtype=target.dtype)
+    cpu_bf16 = target.dtype == torch.bfloat16 and target.device.type == "cpu"
+    model = model.to(device=target.device, dtype=torch.float32 if cpu_bf16 else target.dtype)
     model.rotary_emb = type(model.rotary_emb)(target.config).to(target.device)  # RoPE tables stay fp32
+    model.prepare_inference()
     vocab = load_draft_vocab(Path(path), target.config.vocab_size) if draft_vocab else None
     return FeatureDrafter(model, target, tree, vocab, context_window)
 

@@ -22,6 +22,7 @@ from verispec.drafters.model import TREE_OPTIONS, tree_config
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.medusa import MedusaConfig, MedusaHeads
+from verispec.model.packing import PackedLinear
 from verispec.model.transformer import Transformer
 from verispec.sampling import probs_for, sample
 
@@ -183,7 +184,11 @@ def read_medusa(path: str | Path, target_cfg: ModelConfig) -> MedusaHeads:
 
 
 def load_medusa(path: str | Path, target: Transformer, tree: TreeConfig = TreeConfig()) -> MedusaDrafter:
-    model = read_medusa(path, target.config).to(device=target.device, dtype=target.dtype)
+    """Trained heads for `target`, in its dtype except for a bf16 target on CPU (fp32 there, as the feature drafters
+    run), their matmuls on packed weights."""
+    cpu_bf16 = target.dtype == torch.bfloat16 and target.device.type == "cpu"
+    model = read_medusa(path, target.config).to(device=target.device, dtype=torch.float32 if cpu_bf16 else target.dtype)
+    model.heads = torch.nn.ModuleList(PackedLinear(h) for h in model.heads)
     return MedusaDrafter(model, target, tree)
 
 
