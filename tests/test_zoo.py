@@ -73,7 +73,24 @@ def test_zoo_block_drafters_load_and_are_exact(kind, target):
     assert out.token_ids == plain.token_ids and out.stats.num_drafts > 0
 
 
+@pytest.mark.parametrize("spec", ["eagle", "mtp", "medusa", "eagle(path={}, tree=auto, width=4, depth=4, nodes=8)",
+                                  "medusa(path={}, tree=auto, width=8, nodes=8)"])
+def test_zoo_feature_drafters_load_and_are_exact(spec, target):
+    """The shipped EAGLE-3, MTP and Medusa drafters load for the zoo target, speculate exactly (fp32 greedy, chains
+    and trees) and agree with it (trained on its continuations)."""
+    kind = spec.split("(")[0]
+    spec = spec.format(zoo_dir() / kind) if "(" in spec else f"{kind}:{zoo_dir() / kind}"
+    drafter = build_drafter(spec, target=target, dtype=torch.float32, device=target.device)
+    tok = Tokenizer.from_dir(default_target())
+    prompt = tok.encode("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = decode(target, prompt, params)
+    out = decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=8))
+    assert out.token_ids == plain.token_ids and out.stats.tau > 1.5
+
+
 def test_zoo_fits_the_size_budget():
-    """About 100 MB at most for the whole zoo (issue 3)."""
+    """About 130 MB at most for the whole zoo (issue 20 raised issue 3's 100 MB for the quantized models and the
+    peers' drafters)."""
     total = sum(f.stat().st_size for f in zoo_dir().rglob("*") if f.is_file())
-    assert total <= 100 * 2**20, total / 2**20
+    assert total <= 130 * 2**20, total / 2**20

@@ -93,7 +93,7 @@ cross-entropy to the target's next-token distributions on the continuation part,
         --max-steps {c['max_steps']} --num-sequences {summary['num_sequences']} --dtype {c['target_dtype']}
 
 ## Held-out (validation split continuations)
-{summary['held_out']['anchors']} fixed anchors in 64 held-out continuations, greedy drafts of up to 8 tokens:
+{summary['held_out']['anchors']} fixed anchors in 64 held-out continuations, greedy drafts of up to {len(summary['held_out']['per_pos'])} tokens:
 - greedy acceptance length tau {summary['held_out']['tau']:.2f}
 - per-position survival (all before accepted): {per_pos}
 """
