@@ -17,7 +17,7 @@ from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig, TreeConfig
 from verispec.decode import decode
-from verispec.drafters import Draft, DraftRequest, LookupFirstDrafter, Verified, build_drafter
+from verispec.drafters import Draft, DraftRequest, LookupFirstDrafter, ModelDrafter, Verified, build_drafter
 from verispec.drafters.feature import FeatureDrafter, load_feature_drafter, save_feature_drafter
 from verispec.drafters.medusa import MedusaDrafter, load_medusa, save_medusa
 from verispec.engine import Engine
@@ -369,3 +369,50 @@ def test_loaded_drafters_pack_and_stay_exact_on_a_bf16_target(kind, tmp_path, ta
     for prompt in PROMPTS[:2]:
         ref = decode(bf16, prompt, GREEDY).token_ids
         assert decode(bf16, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=4)).token_ids == ref
+
+
+def test_requests_choose_their_tree_shape(target, plain):
+    """A tree asked per request (SpecConfig.tree in decode, RequestSpec.tree in the engine) of drafters whose spec
+    drafts chains: their drafts become trees, chain and tree requests share one drafter and one step, and every
+    output equals plain greedy decoding; a chains-only drafter refuses a tree request."""
+    shape = TreeConfig("auto", 2, 3, 6)
+    for kind in ("eagle", "mtp", "medusa"):
+        drafter = drafter_for(kind, target, TreeConfig())
+        assert not drafter.capabilities.trees and drafter.capabilities.tree_requests
+        seen = []
+        inner_propose = drafter.propose
+
+        def spy(requests, inner_propose=inner_propose, seen=seen):
+            drafts = inner_propose(requests)
+            seen.extend(not d.is_chain for d in drafts)
+            return drafts
+
+        drafter.propose = spy
+        out = decode(target, PROMPTS[0], GREEDY, drafter=drafter, spec=SpecConfig(k=6, tree=shape))
+        assert out.token_ids == plain[0] and any(seen), kind
+    drafters = {"e": drafter_for("eagle", target, TreeConfig()), "m": ModelDrafter(tiny_model(123, 0.5), TreeConfig())}
+    engine = Engine(target, None, EngineConfig(k=6, drafter="e", prefill_chunk=5), drafters=drafters)
+    ids = [engine.add_request(p, GREEDY, RequestSpec(drafter=d, tree=t))
+           for d in ("e", "m") for p in PROMPTS for t in (None, shape)]
+    results = engine.run_until_done()
+    for n, i in enumerate(ids):
+        assert results[i].token_ids == plain[(n // 2) % len(PROMPTS)]
+    with pytest.raises(ConfigError, match="chains only"):
+        engine.add_request(PROMPTS[0], GREEDY, RequestSpec(drafter="ngram", tree=shape))
+    with pytest.raises(ConfigError, match="chains only"):
+        decode(target, PROMPTS[0], GREEDY, drafter=build_drafter("ngram", target=target, dtype=torch.float32,
+                                                                  device=torch.device("cpu")),
+               spec=SpecConfig(k=4, tree=shape))
+
+
+def test_the_server_parses_a_requests_tree():
+    from verispec.serve.protocol import APIError, parse_speculation
+
+    assert parse_speculation({"method": "eagle", "tree": "auto"}).tree == TreeConfig("auto")
+    spec = parse_speculation({"tree": {"width": 2, "depth": 6, "nodes": 12}, "k": 12})
+    assert spec.tree == TreeConfig("auto", 2, 6, 12)
+    assert parse_speculation({"k": 4}).tree is None
+    for bad in ("deep", {"width": 0}, {"nodes": 99}, {"shape": 1}, {"mode": "sideways"}, 3):
+        with pytest.raises(APIError) as e:
+            parse_speculation({"tree": bad})
+        assert e.value.status == 400 and "tree" in e.value.param

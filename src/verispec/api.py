@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.config import DEFAULT_DTYPE, SamplingParams, SpecConfig
+from verispec.config import DEFAULT_DTYPE, SamplingParams, SpecConfig, TreeConfig
 from verispec.decode import GenerationResult, StreamEvent, decode, decode_stream
 from verispec.drafters.base import Drafter, build_drafter
 from verispec.errors import ConfigError
@@ -39,6 +39,7 @@ class LLM:
         tokenizer: Tokenizer | str | Path | None = None,
         context_limit: int | None = None,
         kv_tier: str | None = None,
+        tree: TreeConfig | None = None,
     ) -> None:
         if isinstance(target, Transformer):
             self.target = target
@@ -53,7 +54,8 @@ class LLM:
         if isinstance(drafter, str):
             drafter = build_drafter(drafter, target=self.target, dtype=self.target.dtype, device=self.target.device)
         self.drafter = drafter
-        self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify, policy=policy, kv_tier=kv_tier)
+        self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify, policy=policy, kv_tier=kv_tier,
+                               tree=tree)
         self.context_limit = context_limit
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from verispec.config import DECODE_POLICIES, DEFAULT_DTYPE, DTYPES, SamplingParams, SpecConfig
+from verispec.config import DECODE_POLICIES, DEFAULT_DTYPE, DTYPES, SamplingParams, SpecConfig, TreeConfig
 from verispec.errors import VerispecError
 
 if TYPE_CHECKING:
@@ -31,6 +31,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="keep the target's KV cache on this device between forwards and swap it in for each "
                         "(e.g. cpu: host memory when the model runs on CUDA); default: beside the model")
     p.add_argument("--verify", default="auto", choices=["auto", "rejection", "sample-match"])
+    p.add_argument("--tree", default=None, choices=["auto", "off"],
+                   help="draft trees (EAGLE-2 dynamic trees; Medusa's static tree) from drafters that draw them "
+                        "(model, eagle, mtp, medusa); default: the drafter spec's own (chains); raise --k with the nodes")
+    p.add_argument("--tree-width", type=int, default=TreeConfig.width)
+    p.add_argument("--tree-depth", type=int, default=TreeConfig.depth)
+    p.add_argument("--tree-nodes", type=int, default=TreeConfig.nodes)
     p.add_argument("--policy", default=SpecConfig.policy, choices=list(DECODE_POLICIES),
                    help="fixed: verify every draft token; dspark: verify the prefix DSpark's rule picks from the "
                         "drafter's confidences and the target's measured step time")
@@ -76,7 +82,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = args.target or default_target()
     drafter = args.drafter or _default_drafter(target)
     llm = LLM(target, drafter=None if drafter == "none" else drafter, k=args.k,
-              verify=args.verify, policy=args.policy, dtype=args.dtype, kv_tier=args.kv_tier)
+              verify=args.verify, policy=args.policy, dtype=args.dtype, kv_tier=args.kv_tier,
+              tree=None if args.tree is None else TreeConfig(args.tree, args.tree_width, args.tree_depth,
+                                                             args.tree_nodes))
     if args.compare and llm.drafter is None:
         raise VerispecError("--compare needs a drafter (it compares speculative with plain decoding)")
     if not args.json:

@@ -218,6 +218,9 @@ class SpecConfig:
     # Where the target's full KV cache lives between forwards: None = beside the model; a device (e.g. "cpu")
     # keeps it there and swaps it in for each forward (cache.TieredKVCache, VeriCache's host-memory tier).
     kv_tier: str | None = None
+    # The draft-tree shape asked of a drafter that draws the tree a request asks for (Capabilities.tree_requests:
+    # model, eagle, mtp, medusa); None: the drafter's own (its spec's tree options, chains by default).
+    tree: TreeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -314,6 +317,7 @@ class RequestSpec:
     policy: str | None = None
     k: int | None = None
     verify: str = "auto"
+    tree: TreeConfig | None = None  # the request's draft-tree shape (SpecConfig.tree); None: the drafter's own
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in POLICIES:

@@ -122,6 +122,9 @@ def decode_stream(
     start = time.perf_counter()
     limit = min(context_limit or target.config.context_limit, target.config.context_limit)
     validate_prompt(prompt_ids, target.config.vocab_size, limit)
+    if drafter is not None and spec.tree is not None and spec.tree.enabled and not (
+            drafter.capabilities.trees or drafter.capabilities.tree_requests):
+        raise ConfigError(f"drafter {drafter.name!r} drafts chains only; a tree needs model, eagle, mtp or medusa")
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
@@ -157,7 +160,8 @@ def decode_stream(
             cache.prefetch()  # a tiered cache's copy-in overlaps the drafting
             if drafter is not None and budget > 0:
                 t0 = time.perf_counter()
-                draft = proposed = drafter.propose([DraftRequest(seq_id, tokens, budget, params, generator)])[0]
+                request = DraftRequest(seq_id, tokens, budget, params, generator, spec.tree)
+                draft = proposed = drafter.propose([request])[0]
                 propose_s = time.perf_counter() - t0
                 stats.draft_s += propose_s
                 check_draft(draft, budget, target.config.vocab_size, drafter)

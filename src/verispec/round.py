@@ -47,7 +47,7 @@ def lend_cache(drafter: Drafter, seq_id: int, cache: KVCache) -> None:
 def check_draft(draft: Draft, budget: int, vocab_size: int, drafter: Drafter) -> None:
     """Raise ValueError for a proposal with more nodes than its budget, with a token outside the vocabulary, or
     shaped as a tree by a drafter whose capabilities do not declare trees."""
-    if not draft.is_chain and not drafter.capabilities.trees:
+    if not draft.is_chain and not (drafter.capabilities.trees or drafter.capabilities.tree_requests):
         raise ValueError(f"drafter {type(drafter).__name__} proposed a tree draft (parents {draft.parents}) without "
                          f"declaring trees in its capabilities (Capabilities.trees)")
     if len(draft.tokens) > budget or any(not 0 <= t < vocab_size for t in draft.tokens):

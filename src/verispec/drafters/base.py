@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from verispec.cache import KVCache
-from verispec.config import SamplingParams
+from verispec.config import SamplingParams, TreeConfig
 from verispec.drafters.spec import parse_spec
 from verispec.errors import ConfigError
 
@@ -28,6 +28,8 @@ class DraftRequest:
     budget: int  # propose at most this many tokens
     params: SamplingParams
     generator: torch.Generator | None  # the request's RNG, for drafters that sample
+    # The request's own draft-tree shape (None: the drafter's); honoured where capabilities say tree_requests
+    tree: TreeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class Capabilities:
     never the drafter's type or name. A composed drafter (`lookup:SPEC`) declares its inner drafter's."""
 
     hidden_layers: tuple[int, ...] = ()  # target hidden states it reads (observe/accept), HF `hidden_states` indices
-    trees: bool = False  # whether its drafts may be trees (Draft.parents); False: chains only
+    trees: bool = False  # whether its drafts are trees by default (Draft.parents); False: chains unless asked
+    tree_requests: bool = False  # whether it drafts the tree a request asks for (DraftRequest.tree)
     reads_target_kv: bool = False  # whether it reads the target's KV cache (self-speculation)
 
 

@@ -44,7 +44,8 @@ class FeatureDrafter(Drafter):
                  draft_vocab: torch.Tensor | None = None, context_window: int | None = None) -> None:
         self.model, self.target, self.tree = model.eval(), target, tree
         self.name = model.config.kind
-        self.capabilities = Capabilities(hidden_layers=model.config.target_layers, trees=tree.enabled)
+        self.capabilities = Capabilities(hidden_layers=model.config.target_layers, trees=tree.enabled,
+                                         tree_requests=True)
         self.draft_vocab = None if draft_vocab is None else check_draft_vocab(
             draft_vocab, target.config.vocab_size).to(target.device)
         self.window = model.config.context_window if context_window is None else context_window
@@ -115,7 +116,8 @@ class FeatureDrafter(Drafter):
         one per drafted token (chain) or per tree depth over the frontier (tree)."""
         drafts = []
         for r in requests:
-            budget = min(r.budget, self.tree.nodes) if self.tree.enabled else r.budget
+            tree = r.tree or self.tree
+            budget = min(r.budget, tree.nodes) if tree.enabled else r.budget
             if budget <= 0:
                 drafts.append(EMPTY_DRAFT)
                 continue
@@ -126,7 +128,7 @@ class FeatureDrafter(Drafter):
             cache = self._caches[r.seq_id]
             committed = cache.length
             try:
-                drafts.append(self._tree(r, g, budget, cache) if self.tree.enabled and budget > 1
+                drafts.append(self._tree(r, g, budget, cache, tree) if tree.enabled and budget > 1
                               else self._chain(r, g, budget, cache))
             finally:
                 cache.truncate(committed)  # draft entries never stay
@@ -188,10 +190,10 @@ class FeatureDrafter(Drafter):
                 g = self.model.step(u, torch.tensor([pos + i], device=device), cache, None)[0, -1]
         return Draft.chain(tokens, torch.stack(rows) if rows else None, torch.tensor(conf))
 
-    def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache) -> Draft:
+    def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache, shape: TreeConfig) -> Draft:
         """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
         and its own token at position anchor + depth - 1) over the committed entries and its ancestors'."""
-        tree, device = DynamicTree(self.tree, budget), self.target.device
+        tree, device = DynamicTree(shape, budget), self.target.device
         committed, anchor = cache.length, len(r.tokens) - 1
         state: dict[int, torch.Tensor] = {-1: g}  # node -> output state of its entry (-1: the anchor's)
         row: dict[int, int] = {}  # node -> its cache row

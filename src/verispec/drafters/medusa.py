@@ -34,9 +34,8 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, model: MedusaHeads, target: Transformer, tree: TreeConfig = TreeConfig()) -> None:
         self.model, self.target, self.tree = model.eval(), target, tree
-        self.capabilities = Capabilities(hidden_layers=(model.config.target_layer,), trees=tree.enabled)
-        paths = [p for p in model.config.tree if len(p) <= tree.depth and max(p) < tree.width]
-        self.paths = paths or [(0,)]
+        self.capabilities = Capabilities(hidden_layers=(model.config.target_layer,), trees=tree.enabled,
+                                         tree_requests=True)
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (position of the first row, rows [n, d])
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
@@ -98,8 +97,9 @@ class MedusaDrafter(Drafter):
         logits = self.target.lm_head(self.model.states(x.to(self.model.heads[0].weight.dtype)).to(x.dtype)).float()
         for row, i in enumerate(live):  # logits[row]: [K, V]
             r = requests[i]
-            if self.tree.enabled and r.budget > 1:
-                drafts[i] = self._tree(logits[row], r)
+            tree = r.tree or self.tree
+            if tree.enabled and r.budget > 1:
+                drafts[i] = self._tree(logits[row], r, tree)
                 continue
             n = min(r.budget, k)
             if r.params.greedy:
@@ -112,16 +112,21 @@ class MedusaDrafter(Drafter):
                 drafts[i] = Draft.chain(tokens.tolist(), q, q.gather(1, tokens[:, None])[:, 0])
         return drafts
 
-    def _tree(self, logits: torch.Tensor, r: DraftRequest) -> Draft:  # logits [K, V]
+    def paths(self, shape: TreeConfig) -> list[tuple[int, ...]]:
+        """The static tree's paths within a tree shape: ranks below its width, at most its depth."""
+        return [p for p in self.model.config.tree if len(p) <= shape.depth and max(p) < shape.width] or [(0,)]
+
+    def _tree(self, logits: torch.Tensor, r: DraftRequest, shape: TreeConfig) -> Draft:  # logits [K, V]
         """The static tree's first paths that fit the budget, each node head depth's rank-th choice (point
         masses; the heads' q ranks at any temperature, the request's processed q when it samples)."""
         q = logits.softmax(-1) if r.params.greedy else probs_for(logits, r.params)
-        width = max(max(p) for p in self.paths) + 1
+        paths = self.paths(shape)
+        width = max(max(p) for p in paths) + 1
         top_p, top_x = q.topk(min(width, q.shape[-1]), dim=-1)  # [K, width]
         index: dict[tuple[int, ...], int] = {}
         tokens, parents, conf = [], [], []
-        for path in self.paths:
-            if len(tokens) == min(r.budget, self.tree.nodes):
+        for path in paths:
+            if len(tokens) == min(r.budget, shape.nodes):
                 break
             depth, rank = len(path) - 1, path[-1]
             if rank >= top_x.shape[1] or float(top_p[depth, rank]) <= 0:

@@ -29,7 +29,7 @@ class ModelDrafter(Drafter):
     def __init__(self, model: Transformer, tree: TreeConfig = TreeConfig()) -> None:
         self.model = model
         self.tree = tree
-        self.capabilities = Capabilities(trees=tree.enabled)
+        self.capabilities = Capabilities(trees=tree.enabled, tree_requests=True)
         self._caches: dict[int, KVCache] = {}
         self._round_start: dict[int, int] = {}  # committed length when the last draft was proposed
 
@@ -57,9 +57,20 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """All requests advance together: one packed forward of the draft model per draft position (per tree depth
-        for trees)."""
-        if self.tree.enabled:
-            return self._propose_trees(requests)
+        for trees; requests drafting chains and trees go as two groups)."""
+        shapes = [r.tree or self.tree for r in requests]
+        trees = [i for i, shape in enumerate(shapes) if shape.enabled]
+        if not trees:
+            return self._propose_chains(requests)
+        chains = [i for i, shape in enumerate(shapes) if not shape.enabled]
+        out: list[Draft] = [EMPTY_DRAFT] * len(requests)
+        for group, drafts in ((trees, self._propose_trees([requests[i] for i in trees], [shapes[i] for i in trees])),
+                              (chains, self._propose_chains([requests[i] for i in chains]) if chains else [])):
+            for i, d in zip(group, drafts):
+                out[i] = d
+        return out
+
+    def _propose_chains(self, requests: list[DraftRequest]) -> list[Draft]:
         budgets, pending = [], []
         for r in requests:
             cache = self._caches[r.seq_id]
@@ -93,7 +104,7 @@ class ModelDrafter(Drafter):
         ]
 
 
-    def _propose_trees(self, requests: list[DraftRequest]) -> list[Draft]:
+    def _propose_trees(self, requests: list[DraftRequest], shapes: list[TreeConfig]) -> list[Draft]:
         """One packed forward over every request's new committed tokens gives q at its anchor, then one per depth
         over every tree's frontier (each node attending to the committed rows, its ancestors and itself); the tree
         rows leave the cache afterwards, so it holds committed tokens only between rounds."""
@@ -104,10 +115,10 @@ class ModelDrafter(Drafter):
         live, pending = [], []
         for i, r in enumerate(requests):
             cache = self._caches[r.seq_id]
-            budget = max(0, min(r.budget, self.tree.nodes, cache.max_len - len(r.tokens)))
+            budget = max(0, min(r.budget, shapes[i].nodes, cache.max_len - len(r.tokens)))
             if budget > 0:
                 self._round_start[r.seq_id] = len(r.tokens)
-                trees[i], rows[i], committed[i] = DynamicTree(self.tree, budget), {}, len(r.tokens)
+                trees[i], rows[i], committed[i] = DynamicTree(shapes[i], budget), {}, len(r.tokens)
                 live.append(i)
                 pending.append(r.tokens[cache.length :])
         frontier: dict[int, list[int]] = {i: [-1] for i in live}

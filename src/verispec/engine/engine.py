@@ -124,7 +124,9 @@ class Engine:
             raise ConfigError("stop strings need a tokenizer")
         drafter, policy, k = self._resolve(spec)
         if drafter is not None:
-            self.drafter(drafter)  # fail now, not inside a step, if the spec is bad
+            caps = self.drafter(drafter).capabilities  # fail now, not inside a step, if the spec is bad
+            if spec.tree is not None and spec.tree.enabled and not (caps.trees or caps.tree_requests):
+                raise ConfigError(f"drafter {drafter!r} drafts chains only; a tree needs model, eagle, mtp or medusa")
         reserved = min(self.limit, len(prompt) + params.max_tokens + k + 1)
         if reserved > self.config.cache_budget_tokens:
             raise ConfigError(
@@ -137,7 +139,7 @@ class Engine:
             policy=policy, k=k, verify=spec.verify, reserved=reserved, arrival=time.perf_counter(),
             stopper=StopChecker(params, len(prompt), self.limit, self.eos, self.tokenizer, prompt),
             generator=None if params.greedy else make_generator(params.seed, self.target.device),
-            tokens=list(prompt),
+            tokens=list(prompt), tree=spec.tree,
         )
         self._alive[req.seq_id] = req
         with self._lock:
@@ -370,7 +372,7 @@ class Engine:
                 budget = 0  # its context (the prompt's hidden states or KV rows) arrives with this very forward
             if req.drafter is not None and budget > 0:
                 by_drafter.setdefault(req.drafter, []).append(
-                    DraftRequest(req.seq_id, req.tokens, budget, req.params, req.generator))
+                    DraftRequest(req.seq_id, req.tokens, budget, req.params, req.generator, req.tree))
         by_seq = {req.seq_id: req for req in decoding}
         for spec, batch in by_drafter.items():
             drafter = self.drafter(spec)

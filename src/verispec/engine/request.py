@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.cache import KVCache
-from verispec.config import SamplingParams
+from verispec.config import SamplingParams, TreeConfig
 from verispec.decode import GenerationResult
 from verispec.metrics import SpecStats
 from verispec.stopping import StopChecker
@@ -46,6 +46,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     last_verified: int = 1 << 30  # draft tokens the dspark policy verified last round (unbounded at first)
     shadow: deque[tuple[int, list[int]]] = field(default_factory=deque)  # (index in tokens, whole proposal)
+    tree: TreeConfig | None = None  # its draft-tree shape (RequestSpec.tree); None: the drafter's own
 
     @property
     def pending(self) -> list[int]:

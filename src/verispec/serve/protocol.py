@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from verispec.config import POLICIES, VERIFY_RULES, RequestSpec, SamplingParams
+from verispec.config import POLICIES, VERIFY_RULES, RequestSpec, SamplingParams, TreeConfig
 from verispec.errors import ConfigError
 
 INT64 = 1 << 63
@@ -113,8 +113,28 @@ class Parsed:
     echo_model: str
 
 
+def parse_tree(value: Any) -> TreeConfig | None:
+    if value is None:
+        return None
+    if value in ("off", "auto"):
+        return TreeConfig(mode=value)
+    if not isinstance(value, dict) or set(value) - {"mode", "width", "depth", "nodes"}:
+        raise _bad("speculation.tree", 'speculation.tree must be "off", "auto" or an object {"mode", "width", '
+                                       '"depth", "nodes"}')
+    for key in ("width", "depth", "nodes"):
+        v = value.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
+            raise _bad(f"speculation.tree.{key}", f"speculation.tree.{key} must be an integer in [1, 64]")
+    try:
+        return TreeConfig(**{"mode": "auto", **value})
+    except (ConfigError, TypeError) as e:
+        raise _bad("speculation.tree", str(e)) from None
+
+
 def parse_speculation(value: Any) -> RequestSpec:
-    """`"off"` / false, or {"method": drafter spec, "k": int | "auto", "policy": name, "verify": rule}."""
+    """`"off"` / false, or {"method": drafter spec, "k": int | "auto", "policy": name, "verify": rule, "tree": shape}
+    with shape "off", "auto" or {"mode": "auto" | "off", "width": int, "depth": int, "nodes": int} (TreeConfig's
+    defaults fill what it leaves out; drafters that draw requested trees: model, eagle, mtp, medusa)."""
     if value is None or value is True:
         return RequestSpec()
     if value is False or value == "off":
@@ -136,8 +156,10 @@ def parse_speculation(value: Any) -> RequestSpec:
     verify = value.get("verify", "auto")
     if not isinstance(verify, str) or verify not in VERIFY_RULES:
         raise _bad("speculation.verify", f"speculation.verify must be one of {VERIFY_RULES}")
+    tree = parse_tree(value.get("tree"))
     try:
-        return RequestSpec(drafter="none" if method == "off" else method, policy=policy, k=k, verify=verify)
+        return RequestSpec(drafter="none" if method == "off" else method, policy=policy, k=k, verify=verify,
+                           tree=tree)
     except ConfigError as e:
         raise _bad("speculation", str(e)) from None
 
