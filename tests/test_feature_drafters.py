@@ -266,7 +266,7 @@ def test_checkpoints_round_trip_and_fail_clearly(tmp_path, target):
     assert spec.capabilities.trees and spec.window == 8
     with pytest.raises(CheckpointError, match="not a mtp drafter"):
         load_feature_drafter(tmp_path / "e", target, "mtp")
-    with pytest.raises(CheckpointError, match="not medusa"):
+    with pytest.raises(CheckpointError, match="not a medusa drafter"):
         load_medusa(tmp_path / "e", target)
     with pytest.raises(CheckpointError, match="needs a checkpoint"):
         build_drafter("medusa", target=target, dtype=torch.float32, device=torch.device("cpu"))

@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from verispec.cache import KVCache
 from verispec.config import ModelConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
+from verispec.drafters.files import check_state, check_target, save_drafter_dir
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
@@ -332,14 +333,8 @@ def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
 def save_block_drafter(model: BlockDraftModel, path: Path, extra: dict | None = None) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    t = model.target_config
-    meta = {KIND_KEY: "block" if model.config.head == "none" else "dspark", "block": model.config.to_dict(),
-            "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
-                       "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
-    (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"))
+    save_drafter_dir(path, "block" if model.config.head == "none" else "dspark", "block", model.config.to_dict(), model,
+                     model.target_config, extra)
 
 
 def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftModel:
@@ -362,21 +357,11 @@ def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftM
         cfg = BlockConfig(**meta["block"])
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{cfg_file} is not a block drafter config: {e}") from None
-    t, want = target_cfg, meta.get("target", {})
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-        if want.get(key) != getattr(t, key):
-            raise CheckpointError(f"block drafter {path} was trained for a target with {key}={want.get(key)}, "
-                                  f"this target has {getattr(t, key)}")
-    model = BlockDraftModel(t, cfg)
+    check_target(meta, target_cfg, path, "block drafter")
+    model = BlockDraftModel(target_cfg, cfg)
     state = load_file(str(weights))
     quantized = take_block_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
-    expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for k, v in expected.items():
-        if state[k].shape != v.shape:
-            raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    check_state(weights, state, {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized})
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=not quantized)
     install_quantized(model, quantized)
     return model

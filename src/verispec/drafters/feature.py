@@ -15,11 +15,10 @@ runs over those rows only, and q is zero elsewhere, so verification stays exact.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from verispec.cache import KVCache
 from verispec.config import ModelConfig, TreeConfig
@@ -27,10 +26,10 @@ from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
 from verispec.drafters.block import check_draft_vocab, load_draft_vocab
+from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir
 from verispec.drafters.model import TREE_OPTIONS, tree_config
 from verispec.drafters.tree import DynamicTree
 from verispec.errors import CheckpointError, ConfigError
-from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
 from verispec.model.packing import PackedWeight, pack
 from verispec.model.transformer import Transformer
@@ -221,51 +220,25 @@ class FeatureDrafter(Drafter):
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------
 def save_feature_drafter(model: FeatureDraftModel, path: Path, extra: dict | None = None) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    t = model.target_config
-    meta = {DRAFTER_KIND_KEY: model.config.kind, "feature": model.config.to_dict(),
-            "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
-                       "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
-    (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"))
+    save_drafter_dir(path, model.config.kind, "feature", model.config.to_dict(), model, model.target_config, extra)
 
 
 def read_feature_drafter(path: str | Path, target_cfg: ModelConfig, kind: str) -> FeatureDraftModel:
     """The fp32 FeatureDraftModel of kind `kind` stored in `path`, checked against the target's config; a
     CheckpointError names whatever does not fit."""
     path = Path(path)
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise CheckpointError(f"{path} is not a {kind} drafter checkpoint (needs config.json and model.safetensors)")
-    try:
-        meta = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not a {kind} drafter config: {e}") from None
-    found = meta.get(DRAFTER_KIND_KEY) if isinstance(meta, dict) else None
-    if found != kind:
-        what = f"a {found} drafter" if found else "not a verispec drafter"
-        raise CheckpointError(f"{path} holds {what}, not a {kind} drafter")
+    meta = read_drafter_meta(path, (kind,), f"{kind} drafter")
     try:
         cfg = FeatureConfig(**meta["feature"])
     except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{cfg_file} is not a {kind} drafter config: {e}") from None
-    want = meta.get("target", {})
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-        if want.get(key) != getattr(target_cfg, key):
-            raise CheckpointError(f"{kind} drafter {path} was trained for a target with {key}={want.get(key)}, "
-                                  f"this target has {getattr(target_cfg, key)}")
+        raise CheckpointError(f"{path / 'config.json'} is not a {kind} drafter config: {e}") from None
+    check_target(meta, target_cfg, path, f"{kind} drafter")
     if any(not 0 <= layer <= target_cfg.num_hidden_layers for layer in cfg.target_layers):
-        raise CheckpointError(f"{cfg_file}: target layers {cfg.target_layers} outside 0..{target_cfg.num_hidden_layers}")
+        raise CheckpointError(f"{path / 'config.json'}: target layers {cfg.target_layers} outside "
+                              f"0..{target_cfg.num_hidden_layers}")
     model = FeatureDraftModel(target_cfg, cfg)
-    state = load_file(str(weights))
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for k, v in expected.items():
-        if state[k].shape != v.shape:
-            raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    state = load_file(str(path / "model.safetensors"))
+    check_state(path / "model.safetensors", state, model.state_dict())
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model
 

@@ -8,19 +8,18 @@ each q is exact for its token); a tree takes the checkpoint's rank paths (model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from verispec.config import ModelConfig, TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
+from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir
 from verispec.drafters.model import TREE_OPTIONS, tree_config
 from verispec.errors import CheckpointError, ConfigError
-from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.medusa import MedusaConfig, MedusaHeads
 from verispec.model.packing import PackedLinear
 from verispec.model.transformer import Transformer
@@ -142,48 +141,23 @@ class MedusaDrafter(Drafter):
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------
 def save_medusa(model: MedusaHeads, path: Path, extra: dict | None = None) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    t = model.target_config
-    meta = {DRAFTER_KIND_KEY: "medusa", "medusa": model.config.to_dict(),
-            "target": {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
-                       "num_hidden_layers": t.num_hidden_layers}, **(extra or {})}
-    (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"))
+    save_drafter_dir(path, "medusa", "medusa", model.config.to_dict(), model, model.target_config, extra)
 
 
 def read_medusa(path: str | Path, target_cfg: ModelConfig) -> MedusaHeads:
     path = Path(path)
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise CheckpointError(f"{path} is not a medusa checkpoint (needs config.json and model.safetensors)")
-    try:
-        meta = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not a medusa config: {e}") from None
-    found = meta.get(DRAFTER_KIND_KEY) if isinstance(meta, dict) else None
-    if found != "medusa":
-        raise CheckpointError(f"{path} holds {f'a {found} drafter' if found else 'not a verispec drafter'}, "
-                              "not medusa heads")
+    meta = read_drafter_meta(path, ("medusa",), "medusa drafter")
     try:
         cfg = MedusaConfig(**meta["medusa"])
     except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{cfg_file} is not a medusa config: {e}") from None
-    want = meta.get("target", {})
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-        if want.get(key) != getattr(target_cfg, key):
-            raise CheckpointError(f"medusa heads {path} were trained for a target with {key}={want.get(key)}, "
-                                  f"this target has {getattr(target_cfg, key)}")
+        raise CheckpointError(f"{path / 'config.json'} is not a medusa config: {e}") from None
+    check_target(meta, target_cfg, path, "medusa heads")
     if not 0 <= cfg.target_layer <= target_cfg.num_hidden_layers:
-        raise CheckpointError(f"{cfg_file}: target layer {cfg.target_layer} outside 0..{target_cfg.num_hidden_layers}")
+        raise CheckpointError(f"{path / 'config.json'}: target layer {cfg.target_layer} outside "
+                              f"0..{target_cfg.num_hidden_layers}")
     model = MedusaHeads(target_cfg, cfg)
-    state, expected = load_file(str(weights)), model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{weights}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for k, v in expected.items():
-        if state[k].shape != v.shape:
-            raise CheckpointError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    state = load_file(str(path / "model.safetensors"))
+    check_state(path / "model.safetensors", state, model.state_dict())
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model
 

@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -114,7 +115,14 @@ def block_forward(
     return logits, confidence, h
 
 
-def _lr(cfg: BlockTrainConfig, step: int) -> float:
+class Schedule(Protocol):
+    lr: float
+    warmup_steps: int
+    max_steps: int
+
+
+def cosine_lr(cfg: Schedule, step: int) -> float:
+    """Linear warm-up to cfg.lr over cfg.warmup_steps, then cosine to a tenth of it at cfg.max_steps."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
@@ -193,7 +201,7 @@ def train_block_drafter(
         loss = block_loss(cfg.loss, logits, blocks.labels, blocks.mask, gamma=cfg.gamma,
                           target_probs=target_probs, confidence=confidence)
         for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
+            g["lr"] = cosine_lr(cfg, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -27,6 +27,7 @@ from verispec.model import load_model
 from verispec.model.feature import FeatureConfig, FeatureDraftModel, default_layers
 from verispec.model.medusa import MedusaConfig, MedusaHeads, sparse_tree
 from verispec.model.transformer import Transformer
+from verispec.train.block import cosine_lr
 from verispec.train.checkpointing import load_state, save_state
 
 KINDS = ("eagle", "mtp", "medusa")
@@ -130,13 +131,6 @@ def feature_losses(
     return total, stats
 
 
-def _lr(cfg: FeatureTrainConfig, step: int) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(frac, 1.0))))
-
-
 def train_feature_drafter(
     target_dir: Path, sequences: np.ndarray, out_dir: Path, cfg: FeatureTrainConfig, progress: bool = True,
     stop_at: int | None = None,
@@ -176,7 +170,7 @@ def train_feature_drafter(
             logits_t, hidden = target(tokens, hidden_layers=layers)
         loss, stats = feature_losses(model, target, tokens, hidden, logits_t, cfg, vocab, steps)
         for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
+            g["lr"] = cosine_lr(cfg, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
