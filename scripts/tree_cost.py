@@ -44,18 +44,23 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
     if (d / "config.json").is_file():
         arms |= {"model chain k=8": (f"model:{d}", 8, "model"),
                  "model tree 8 (w4 d4)": (f"model(path={d}, tree=auto, width=4, depth=4, nodes=8)", 8, "model"),
-                 "model tree 16 (w4 d8)": (f"model(path={d}, tree=auto, width=4, depth=8, nodes=16)", 16, "model")}
+                 "model tree 16 (w4 d8)": (f"model(path={d}, tree=auto, width=4, depth=8, nodes=16)", 16, "model"),
+                 "model tree 12 (w2 d8)": (f"model(path={d}, tree=auto, width=2, depth=8, nodes=12)", 12, "model")}
     for kind, path in (("eagle", e), ("mtp", m)):
         if (path / "config.json").is_file():
             arms |= {f"{kind} chain k=8": (f"{kind}:{path}", 8, kind),
                      f"{kind} tree 8 (w4 d4)": (f"{kind}(path={path}, tree=auto, width=4, depth=4, nodes=8)", 8, kind),
                      f"{kind} tree 16 (w4 d8)": (f"{kind}(path={path}, tree=auto, width=4, depth=8, nodes=16)", 16,
+                                                 kind),
+                     f"{kind} tree 12 (w2 d8)": (f"{kind}(path={path}, tree=auto, width=2, depth=8, nodes=12)", 12,
                                                  kind)}
     if (md / "config.json").is_file():
         heads = json.loads((md / "config.json").read_text())["medusa"]["num_heads"]
         arms |= {f"medusa chain k={heads}": (f"medusa:{md}", heads, "medusa"),
                  "medusa tree 8": (f"medusa(path={md}, tree=auto, width=8, depth={heads}, nodes=8)", 8, "medusa"),
-                 "medusa tree 16": (f"medusa(path={md}, tree=auto, width=8, depth={heads}, nodes=16)", 16, "medusa")}
+                 "medusa tree 16": (f"medusa(path={md}, tree=auto, width=8, depth={heads}, nodes=16)", 16, "medusa"),
+                 "medusa tree 12 (w2)": (f"medusa(path={md}, tree=auto, width=2, depth={heads}, nodes=12)", 12,
+                                         "medusa")}
     if (ds / "config.json").is_file():
         arms["dspark chain k=8"] = (f"dspark:{ds}", 8, "dspark")
     return arms

@@ -416,3 +416,26 @@ def test_the_server_parses_a_requests_tree():
         with pytest.raises(APIError) as e:
             parse_speculation({"tree": bad})
         assert e.value.status == 400 and "tree" in e.value.param
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_batched_chain_proposals_equal_one_at_a_time(kind, target):
+    """Requests with different context lengths and budgets in one packed proposal draft what each drafts alone,
+    and leave the same committed entries."""
+    model = make_feature(target, kind, window=6)
+    together, alone = FeatureDrafter(model, target), FeatureDrafter(model, target)
+    requests = []
+    for sid, prompt in enumerate(PROMPTS[:2] + [PROMPTS[0][:9], list(range(20, 40))]):
+        _, hidden = target(torch.tensor([prompt]), hidden_layers=model.config.target_layers)
+        for d in (together, alone):
+            d.start(sid, prompt)
+            d.observe(sid, 0, {k: v[0, :-1] for k, v in hidden.items()})
+        requests.append(DraftRequest(sid, prompt, (5, 3, 1, 6)[sid], GREEDY, None))
+    batched = together.propose(requests)
+    for r, d in zip(requests, batched):
+        single = alone.propose([r])[0]
+        assert d.tokens == single.tokens and len(d.tokens) == r.budget
+        assert torch.allclose(d.confidence, single.confidence, atol=1e-5)
+        a, b = together._caches[r.seq_id], alone._caches[r.seq_id]
+        assert a.length == b.length and a.position_offset == b.position_offset
+        assert torch.allclose(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], atol=1e-5)

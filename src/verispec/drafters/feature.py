@@ -28,7 +28,7 @@ from verispec.drafters.base import (
 from verispec.drafters.block import check_draft_vocab, load_draft_vocab
 from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir
 from verispec.drafters.model import TREE_OPTIONS, tree_config
-from verispec.drafters.tree import DynamicTree
+from verispec.drafters.tree import DynamicTree, frontier_mask
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
 from verispec.model.packing import PackedWeight, pack
@@ -111,51 +111,105 @@ class FeatureDrafter(Drafter):
     # ---- proposing ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        """Per request: one forward over its pending entries (the last one's output drafts the first token), then
-        one per drafted token (chain) or per tree depth over the frontier (tree)."""
-        drafts = []
-        for r in requests:
-            tree = r.tree or self.tree
-            budget = min(r.budget, tree.nodes) if tree.enabled else r.budget
-            if budget <= 0:
-                drafts.append(EMPTY_DRAFT)
-                continue
-            if not self._pending[r.seq_id] and self.known(r.seq_id) == len(r.tokens) - 1:
-                drafts.append(EMPTY_DRAFT)  # no row before the anchor (a one-token prompt): nothing to draft from
-                continue
-            g = self._enter_pending(r)
-            cache = self._caches[r.seq_id]
-            committed = cache.length
-            try:
-                drafts.append(self._tree(r, g, budget, cache, tree) if tree.enabled and budget > 1
-                              else self._chain(r, g, budget, cache))
-            finally:
-                cache.truncate(committed)  # draft entries never stay
+        """All requests' pending entries in one packed forward (each last output drafts its first token); then the
+        chains advance together, one packed forward of one entry per request and drafted token, and each tree by
+        depth over its frontier."""
+        drafts: list[Draft] = [EMPTY_DRAFT] * len(requests)
+        live, budgets, shapes = [], {}, {}
+        for i, r in enumerate(requests):
+            shape = r.tree or self.tree
+            budget = min(r.budget, shape.nodes) if shape.enabled else r.budget
+            # no row before the anchor (a one-token prompt): nothing to draft from
+            if budget > 0 and (self._pending[r.seq_id] or self.known(r.seq_id) != len(r.tokens) - 1):
+                live.append(i)
+                budgets[i], shapes[i] = budget, shape
+        if not live:
+            return drafts
+        states = dict(zip(live, self._enter_pending([requests[i] for i in live])))
+        committed = {i: self._caches[requests[i].seq_id].length for i in live}
+        try:
+            chains = [i for i in live if not (shapes[i].enabled and budgets[i] > 1)]
+            if chains:
+                for i, d in zip(chains, self._chains([requests[i] for i in chains], [states[i] for i in chains],
+                                                     [budgets[i] for i in chains])):
+                    drafts[i] = d
+            for i in live:
+                if i not in chains:
+                    r = requests[i]
+                    drafts[i] = self._tree(r, states[i], budgets[i], self._caches[r.seq_id], shapes[i])
+        finally:
+            for i in live:
+                self._caches[requests[i].seq_id].truncate(committed[i])  # draft entries never stay
         return drafts
 
-    def _enter_pending(self, r: DraftRequest) -> torch.Tensor:  # [d] the output state of the anchor's entry
-        cache, feats = self._caches[r.seq_id], self._pending[r.seq_id]
-        anchor = len(r.tokens) - 1
-        if self.known(r.seq_id) != anchor:
-            raise RuntimeError(f"{self.name} drafter holds {self.known(r.seq_id)} positions, the anchor is at {anchor}")
-        f = torch.cat(feats) if len(feats) > 1 else feats[0]  # [n, d] for positions first .. anchor - 1
-        self._pending[r.seq_id] = []
-        first, entered = cache.next_position, self._entered[r.seq_id]
-        if self.window and cache.length + f.shape[0] > 2 * self.window:  # slide back to the latest W entries
-            keep = max(0, self.window - f.shape[0])
-            entered = entered[cache.length - keep :]
-            cache.drop_front(cache.length - keep)
-            if f.shape[0] > self.window:  # entries before the window are never needed: skip them
-                skip = f.shape[0] - self.window
-                cache.truncate(0)
-                cache.position_offset = first + skip
-                f, first = f[skip:], first + skip
-        device = self.target.device
-        toks = torch.tensor(r.tokens[first + 1 : anchor + 1], device=device)
-        u = self.model.inputs(self.target.model.embed_tokens, toks[None], f[None])
-        g = self.model.step(u, torch.arange(first, anchor, device=device), cache, None)
-        self._entered[r.seq_id] = torch.cat([entered, f])
-        return g[0, -1]
+    def _enter_pending(self, requests: list[DraftRequest]) -> list[torch.Tensor]:
+        """Commit each request's pending entries (one packed forward); per request the output state [d] of its
+        anchor's entry (the last one)."""
+        feats, toks, caches = [], [], []
+        for r in requests:
+            cache, pending = self._caches[r.seq_id], self._pending[r.seq_id]
+            anchor = len(r.tokens) - 1
+            if self.known(r.seq_id) != anchor:
+                raise RuntimeError(f"{self.name} drafter holds {self.known(r.seq_id)} positions, the anchor is at "
+                                   f"{anchor}")
+            f = torch.cat(pending) if len(pending) > 1 else pending[0]  # [n, d] for positions first .. anchor - 1
+            self._pending[r.seq_id] = []
+            first, entered = cache.next_position, self._entered[r.seq_id]
+            if self.window and cache.length + f.shape[0] > 2 * self.window:  # slide back to the latest W entries
+                keep = max(0, self.window - f.shape[0])
+                entered = entered[cache.length - keep :]
+                cache.drop_front(cache.length - keep)
+                if f.shape[0] > self.window:  # entries before the window are never needed: skip them
+                    skip = f.shape[0] - self.window
+                    cache.truncate(0)
+                    cache.position_offset = first + skip
+                    f, first = f[skip:], first + skip
+            self._entered[r.seq_id] = torch.cat([entered, f])
+            feats.append(f)
+            toks.extend(r.tokens[first + 1 : anchor + 1])
+            caches.append(cache)
+        lengths = [f.shape[0] for f in feats]
+        g = self._packed_step(caches, lengths, torch.tensor(toks, device=self.target.device), torch.cat(feats))
+        return list(g[torch.tensor(lengths).cumsum(0) - 1])
+
+    def _packed_step(self, caches: list[KVCache], lengths: list[int], tokens: torch.Tensor,
+                     feats: torch.Tensor) -> torch.Tensor:  # tokens [N], feats [N, d] -> [N, d]
+        """Entries appended to their caches (lengths[i] of them to caches[i], in order), causal after each one's
+        rows, in one forward; their output states."""
+        u = self.model.inputs(self.target.model.embed_tokens, tokens[None], feats[None])
+        if len(caches) == 1:
+            cache = caches[0]
+            pos = torch.arange(cache.next_position, cache.next_position + lengths[0], device=tokens.device)
+            return self.model.step(u, pos, cache, None)[0]
+        return self.model.step_packed(u, caches, lengths)[0]
+
+    def _chains(self, requests: list[DraftRequest], states: list[torch.Tensor], budgets: list[int]) -> list[Draft]:
+        """The requests' chains, advancing together: per drafted position one head over the live rows and one
+        packed forward of their next entries (reading the token just drafted and the last output state)."""
+        tokens: list[list[int]] = [[] for _ in requests]
+        rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        conf: list[list[float]] = [[] for _ in requests]
+        live, g = list(range(len(requests))), torch.stack(states)  # g [len(live), d]
+        for step in range(max(budgets)):
+            logits = self._logits(g)  # [len(live), V]
+            picked = []
+            for row, i in enumerate(live):
+                r = requests[i]
+                q = self._q(logits[row : row + 1], r)[0]
+                x = int(logits[row].argmax()) if r.params.greedy else int(sample(q, r.generator))
+                tokens[i].append(x)
+                conf[i].append(float(q[x]))
+                if not r.params.greedy:
+                    rows[i].append(q)
+                picked.append(x)
+            going = [row for row, i in enumerate(live) if budgets[i] > step + 1]
+            if not going:
+                break
+            caches = [self._caches[requests[live[row]].seq_id] for row in going]
+            x = torch.tensor([picked[row] for row in going], device=g.device)
+            g = self._packed_step(caches, [1] * len(going), x, g[going])
+            live = [live[row] for row in going]
+        return [Draft.chain(t, torch.stack(q) if q else None, torch.tensor(c)) for t, q, c in zip(tokens, rows, conf)]
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V] fp32, -inf outside the draft vocab
         weight = self.target.lm_head.weight
@@ -173,22 +227,6 @@ class FeatureDrafter(Drafter):
     def _q(self, logits: torch.Tensor, r: DraftRequest) -> torch.Tensor:  # [F, V] -> [F, V]
         return logits.softmax(dim=-1) if r.params.greedy else probs_for(logits, r.params)
 
-    def _chain(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache) -> Draft:
-        tokens, rows, conf = [], [], []
-        device, pos = self.target.device, len(r.tokens) - 1
-        for i in range(budget):
-            logits = self._logits(g[None])  # [1, V]
-            q = self._q(logits, r)[0]
-            x = int(logits[0].argmax()) if r.params.greedy else int(sample(q, r.generator))
-            tokens.append(x)
-            conf.append(float(q[x]))
-            if not r.params.greedy:
-                rows.append(q)
-            if i + 1 < budget:  # the entry reading x at position anchor + i, its feature the last output state
-                u = self.model.inputs(self.target.model.embed_tokens, torch.tensor([[x]], device=device), g[None, None])
-                g = self.model.step(u, torch.tensor([pos + i], device=device), cache, None)[0, -1]
-        return Draft.chain(tokens, torch.stack(rows) if rows else None, torch.tensor(conf))
-
     def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache, shape: TreeConfig) -> Draft:
         """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
         and its own token at position anchor + depth - 1) over the committed entries and its ancestors'."""
@@ -199,14 +237,7 @@ class FeatureDrafter(Drafter):
         frontier = tree.grow([-1], self._q(self._logits(g[None]), r))
         while frontier:
             nodes = [tree.nodes[n] for n in frontier]
-            length = cache.length
-            mask = torch.zeros(len(frontier), length + len(frontier), dtype=torch.bool)
-            mask[:, :committed] = True
-            for f, n in enumerate(frontier):
-                for a in tree.path(n)[:-1]:
-                    mask[f, row[a]] = True
-                mask[f, length + f] = True
-                row[n] = length + f
+            mask = frontier_mask(tree, frontier, row, cache.length, committed)
             feats = torch.stack([state[node.parent] for node in nodes])[None]  # [1, F, d]
             toks = torch.tensor([[node.token for node in nodes]], device=device)
             u = self.model.inputs(self.target.model.embed_tokens, toks, feats)

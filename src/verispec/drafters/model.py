@@ -13,7 +13,7 @@ from verispec.config import TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.tree import DynamicTree
+from verispec.drafters.tree import DynamicTree, frontier_mask
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.transformer import Transformer
@@ -164,13 +164,7 @@ class ModelDrafter(Drafter):
         """Each frontier node sees the committed rows, its ancestors' rows (fed at earlier depths) and itself, at
         one position past its parent; records the rows the frontier's keys will take."""
         length = cache.length
-        mask = torch.zeros(len(frontier), length + len(frontier), dtype=torch.bool)
-        mask[:, :committed] = True
-        for f, node in enumerate(frontier):
-            for a in tree.path(node)[:-1]:
-                mask[f, rows[a]] = True
-            mask[f, length + f] = True
-            rows[node] = length + f
+        mask = frontier_mask(tree, frontier, rows, length, committed)
         base = cache.next_position - (length - committed)  # the anchor's position + 1
         positions = torch.tensor([base + tree.nodes[n].depth - 1 for n in frontier], device=device)
         return positions, mask.to(device)

@@ -88,3 +88,19 @@ class DynamicTree:
             confidence=torch.tensor([n.prob for n in nodes]),
             parents=tuple(-1 if n.parent < 0 else index[n.parent] for n in nodes),
         )
+
+
+def frontier_mask(
+    tree: DynamicTree, frontier: list[int], rows: dict[int, int], length: int, committed: int,
+) -> torch.Tensor:  # [F, length + F] bool
+    """The attention mask of a frontier's entries written after `length` cache rows, the first `committed` of them
+    committed tokens: each node sees those, its ancestors' rows (fed at earlier depths) and itself. Records in
+    `rows` the row each frontier node's key takes."""
+    mask = torch.zeros(len(frontier), length + len(frontier), dtype=torch.bool)
+    mask[:, :committed] = True
+    for f, node in enumerate(frontier):
+        for a in tree.path(node)[:-1]:
+            mask[f, rows[a]] = True
+        mask[f, length + f] = True
+        rows[node] = length + f
+    return mask

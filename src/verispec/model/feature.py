@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.cache import KVCache
+from verispec.cache import KVCache, PackedBatch
+from verispec.cache.packed import causal_mask
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 from verispec.kernels import native
@@ -120,8 +121,6 @@ class FeatureDraftModel(nn.Module):
         mask: torch.Tensor | None,  # [T, length + T] bool (True = attend); None: causal after the cache
     ) -> torch.Tensor:  # [1, T, d] output states g
         """Run T entries through the layer after the cache's rows and advance the cache past them."""
-        from verispec.cache.packed import causal_mask
-
         t = u.shape[1]
         cos, sin = self.rotary_emb(positions[None], u.dtype)
         causal = mask is None
@@ -130,6 +129,21 @@ class FeatureDraftModel(nn.Module):
         cache.reserve(cache.length + t)
         g = self.layer(u, cos, sin, cache, mask, causal)
         cache.advance(t)
+        return g
+
+    def step_packed(
+        self,
+        u: torch.Tensor,  # [1, N, d] inputs of every cache's new entries, back to back
+        caches: list[KVCache],  # one layer each
+        lengths: list[int],  # new entries per cache
+    ) -> torch.Tensor:  # [1, N, d] output states
+        """step() for several sequences at once: each segment causal after its own cache's rows."""
+        for cache, n in zip(caches, lengths):
+            cache.reserve(cache.length + n)
+        batch = PackedBatch.build(caches, lengths, u.device)
+        cos, sin = self.rotary_emb(batch.positions(u.device)[None], u.dtype)
+        g = self.layer(u, cos, sin, batch, None)
+        batch.advance()
         return g
 
     def logits(self, g: torch.Tensor, head: torch.Tensor, packed: PackedWeight | None = None
