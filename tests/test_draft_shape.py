@@ -96,7 +96,7 @@ def test_capabilities_are_instance_data_and_compose():
     block = BlockDrafter(make_block(target), target)
     assert block.capabilities == Capabilities(hidden_layers=(1,))
     assert LookupFirstDrafter(block).capabilities == block.capabilities  # a composed drafter: its inner one's
-    assert LookupFirstDrafter(ModelDrafter(target)).capabilities == Capabilities()
+    assert LookupFirstDrafter(ModelDrafter(target)).capabilities == Capabilities(tree_requests=True)
 
 
 def test_decode_and_the_engine_lend_the_target_cache_to_a_drafter_that_reads_it():

@@ -124,7 +124,7 @@ def decode_stream(
     validate_prompt(prompt_ids, target.config.vocab_size, limit)
     if drafter is not None and spec.tree is not None and spec.tree.enabled and not (
             drafter.capabilities.trees or drafter.capabilities.tree_requests):
-        raise ConfigError(f"drafter {drafter.name!r} drafts chains only; a tree needs model, eagle, mtp or medusa")
+        raise ConfigError("this drafter drafts chains only; a tree needs model, eagle, mtp or medusa")
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
