@@ -67,6 +67,24 @@ def tiny_model(seed: int = 0, std: float = 0.2, **kw) -> Transformer:
     return model.eval().fuse_projections().pack_weights()
 
 
+def tiny_continuations(path, n: int = 24, prompt_len: int = 8, new_tokens: int = 24):
+    """A tiny target saved under path/target and n of its own greedy continuations [n, prompt_len + new_tokens]
+    (uint16), the data the drafter trainers learn from."""
+    import numpy as np
+
+    from verispec.config import SamplingParams
+    from verispec.decode import decode
+
+    target = tiny_model(0, 0.2)
+    save_model(target, path / "target")
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(n):
+        prompt = rng.integers(4, 97, size=prompt_len).tolist()
+        seqs.append(prompt + decode(target, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)).token_ids)
+    return path, target, np.array(seqs, dtype=np.uint16)
+
+
 def make_tokenizer(vocab_size: int = 320) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers

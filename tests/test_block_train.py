@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_continuations, tiny_model
 
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
@@ -14,7 +14,6 @@ from verispec.drafters import build_drafter
 from verispec.drafters.block import (
     BlockDrafter, load_block_drafter, read_block_drafter, save_block_drafter,
 )
-from verispec.model import save_model
 from verispec.train.block import BlockTrainConfig, sample_blocks, train_block_drafter
 from verispec.train.losses import LOSSES
 
@@ -22,15 +21,7 @@ from verispec.train.losses import LOSSES
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny target and 24 of its own greedy continuations (prompt 8 + 24 tokens)."""
-    path = tmp_path_factory.mktemp("blk")
-    target = tiny_model(0, 0.2)
-    save_model(target, path / "target")
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(24):
-        prompt = rng.integers(4, 97, size=8).tolist()
-        seqs.append(prompt + decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids)
-    return path, target, np.array(seqs, dtype=np.uint16)
+    return tiny_continuations(tmp_path_factory.mktemp("blk"))
 
 
 def cfg(**kw) -> BlockTrainConfig:

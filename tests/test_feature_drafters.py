@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from _markov import tv_limit
-from conftest import tiny_model
+from conftest import tiny_continuations, tiny_model
 from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair_joints
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, SpecConfig, TreeConfig
@@ -296,15 +296,7 @@ def test_checkpoints_round_trip_and_fail_clearly(tmp_path, target):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny target and 24 of its own greedy continuations (prompt 8 + 24 tokens)."""
-    path = tmp_path_factory.mktemp("feat")
-    target = tiny_model(0, 0.2)
-    save_model(target, path / "target")
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(24):
-        prompt = rng.integers(4, 97, size=8).tolist()
-        seqs.append(prompt + decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids)
-    return path, target, np.array(seqs, dtype=np.uint16)
+    return tiny_continuations(tmp_path_factory.mktemp("feat"))
 
 
 def tcfg(kind: str, **kw) -> FeatureTrainConfig:
