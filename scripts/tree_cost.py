@@ -208,7 +208,8 @@ def write_readme(out: Path, res: dict, command: str) -> None:
     for task, rows in res["decode"].items():
         L += [f"## Chains and trees per drafter: {task} ({a['prompts']} prompts, {a['max_tokens']} new tokens, greedy, "
               f"{a['dtype']}, medians of {a['decode_repeats']} interleaved repeats)", "",
-              "*x plain per token* leaves the prefill out (the target's prompt pass, the same in every arm); *draft ms* "
+              "*x plain per token* leaves the prefill out (the target's prompt pass, the same in every arm); "
+              "*draft ms* "
               "is the drafter's time per target forward (propose, observe, accept).", "",
               "| arm | k / nodes | tok/s e2e | x plain e2e | x plain per token | τ | draft ms / round | = plain |",
               "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -236,7 +237,8 @@ def write_readme(out: Path, res: dict, command: str) -> None:
             same = cost <= 1.1
             goals.append(f"- {task}: EAGLE-3 chain τ {e['tau']:.2f} against DSpark's {d['tau']:.2f} "
                          f"({'higher' if e['tau'] >= d['tau'] else 'lower'}), but at {e['draft_ms_per_round']:.2f} "
-                         f"ms of drafting a round against {d['draft_ms_per_round']:.2f} ({cost:.1f}x) -> τ >= DSpark's "
+                         f"ms of drafting a round against {d['draft_ms_per_round']:.2f} ({cost:.1f}x) -> "
+                         "τ >= DSpark's "
                          f"at the same draft cost: **{'met' if same and e['tau'] >= d['tau'] else 'not met'}**"
                          f"{'' if same else ' (the costs differ)'}; per output token {e['decode_speedup']:.2f}x "
                          f"against {d['decode_speedup']:.2f}x plain")

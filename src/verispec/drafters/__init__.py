@@ -23,6 +23,7 @@ from verispec.drafters.vericache import VeriCacheDrafter
 
 __all__ = [
     "BENCH_SPECS", "BlockDrafter", "Capabilities", "DRAFTERS", "EMPTY_DRAFT", "Draft", "DraftRequest", "Drafter",
-    "FeatureDrafter", "LookupFirstDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "VeriCacheDrafter", "Verified",
+    "FeatureDrafter", "LookupFirstDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "VeriCacheDrafter",
+    "Verified",
     "build_drafter", "register_drafter",
 ]

@@ -34,7 +34,7 @@ from verispec.config import ModelConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.files import check_state, check_target, save_drafter_dir
+from verispec.drafters.files import check_state, check_target, save_drafter_dir, zoo_spec
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
@@ -405,13 +405,6 @@ def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
         raise CheckpointError(f"{f} is not a draft vocabulary: {e}") from None
 
 
-def _bench_spec(kind: str):
-    def spec(zoo: Path) -> str | None:
-        return f"{kind}:{zoo / kind}" if (zoo / kind / "config.json").is_file() else None
-
-    return spec
-
-
 def _load_spec(arg: str, target: Transformer) -> BlockDrafter:
     """DIR followed by options, each after a colon: `full-vocab` (ignore the directory's draft vocabulary) and
     `window=N` (see only the latest N..2N context positions; 0: all of them)."""
@@ -431,7 +424,7 @@ def _load_spec(arg: str, target: Transformer) -> BlockDrafter:
     return load_block_drafter(path, target, draft_vocab=not full, context_window=window)
 
 
-@register_drafter("block", bench_spec=_bench_spec("block"))
+@register_drafter("block", bench_spec=zoo_spec("block"))
 def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
     """`block:DIR[:full-vocab][:window=N]`: a trained parallel (or DSpark) block drafter for this target; with
     `:full-vocab` it drafts from every token even where DIR ships a draft vocabulary, `:window=N` overrides the
@@ -441,7 +434,7 @@ def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, de
     return _load_spec(arg, target)
 
 
-@register_drafter("dspark", bench_spec=_bench_spec("dspark"))
+@register_drafter("dspark", bench_spec=zoo_spec("dspark"))
 def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
     """`dspark:DIR[:full-vocab][:window=N]`: a block drafter with DSpark's sequential head (Markov or RNN, as its
     checkpoint says) and confidence head."""

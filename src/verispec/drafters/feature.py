@@ -26,14 +26,14 @@ from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
 from verispec.drafters.block import check_draft_vocab, load_draft_vocab
-from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir
+from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
 from verispec.drafters.model import TREE_OPTIONS, tree_config
-from verispec.drafters.tree import DynamicTree, frontier_mask
+from verispec.drafters.tree import DynamicTree, frontier_mask, node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
 from verispec.model.packing import PackedWeight, pack
 from verispec.model.transformer import Transformer
-from verispec.sampling import probs_for, sample
+from verispec.sampling import sample
 
 
 class FeatureDrafter(Drafter):
@@ -195,7 +195,7 @@ class FeatureDrafter(Drafter):
             picked = []
             for row, i in enumerate(live):
                 r = requests[i]
-                q = self._q(logits[row : row + 1], r)[0]
+                q = node_q(logits[row : row + 1], r.params)[0]
                 x = int(logits[row].argmax()) if r.params.greedy else int(sample(q, r.generator))
                 tokens[i].append(x)
                 conf[i].append(float(q[x]))
@@ -224,9 +224,6 @@ class FeatureDrafter(Drafter):
         full[:, self.draft_vocab] = small
         return full
 
-    def _q(self, logits: torch.Tensor, r: DraftRequest) -> torch.Tensor:  # [F, V] -> [F, V]
-        return logits.softmax(dim=-1) if r.params.greedy else probs_for(logits, r.params)
-
     def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache, shape: TreeConfig) -> Draft:
         """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
         and its own token at position anchor + depth - 1) over the committed entries and its ancestors'."""
@@ -234,7 +231,7 @@ class FeatureDrafter(Drafter):
         committed, anchor = cache.length, len(r.tokens) - 1
         state: dict[int, torch.Tensor] = {-1: g}  # node -> output state of its entry (-1: the anchor's)
         row: dict[int, int] = {}  # node -> its cache row
-        frontier = tree.grow([-1], self._q(self._logits(g[None]), r))
+        frontier = tree.grow([-1], node_q(self._logits(g[None]), r.params))
         while frontier:
             nodes = [tree.nodes[n] for n in frontier]
             mask = frontier_mask(tree, frontier, row, cache.length, committed)
@@ -245,7 +242,7 @@ class FeatureDrafter(Drafter):
             out = self.model.step(u, positions, cache, mask.to(device))[0]  # [F, d]
             for f, n in enumerate(frontier):
                 state[n] = out[f]
-            frontier = tree.grow(frontier, self._q(self._logits(out), r))
+            frontier = tree.grow(frontier, node_q(self._logits(out), r.params))
         return tree.draft()
 
 
@@ -288,13 +285,6 @@ def load_feature_drafter(path: str | Path, target: Transformer, kind: str, tree:
     return FeatureDrafter(model, target, tree, vocab, context_window)
 
 
-def _bench_spec(kind: str):
-    def spec(zoo: Path) -> str | None:
-        return f"{kind}:{zoo / kind}" if (zoo / kind / "config.json").is_file() else None
-
-    return spec
-
-
 def _factory(kind: str):
     def build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
               options: dict[str, str] | None = None) -> FeatureDrafter:
@@ -321,4 +311,4 @@ def _factory(kind: str):
 
 
 for _kind in FEATURE_KINDS:
-    register_drafter(_kind, bench_spec=_bench_spec(_kind), structured=True)(_factory(_kind))
+    register_drafter(_kind, bench_spec=zoo_spec(_kind), structured=True)(_factory(_kind))

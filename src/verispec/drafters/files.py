@@ -5,6 +5,7 @@ the weights in bf16. Reading checks every part and names what does not fit (Chec
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,14 @@ def save_drafter_dir(path: Path, kind: str, section: str, config: dict, model: n
     (path / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"))
+
+
+def zoo_spec(kind: str) -> Callable[[Path], str | None]:
+    """The benchmark's spec for a drafter of `kind` shipped in the zoo as zoo/KIND (None where it is not)."""
+    def spec(zoo: Path) -> str | None:
+        return f"{kind}:{zoo / kind}" if (zoo / kind / "config.json").is_file() else None
+
+    return spec
 
 
 def read_drafter_meta(path: Path, kinds: tuple[str, ...], what: str) -> dict:

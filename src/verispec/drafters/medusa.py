@@ -17,13 +17,14 @@ from verispec.config import ModelConfig, TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir
+from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
 from verispec.drafters.model import TREE_OPTIONS, tree_config
+from verispec.drafters.tree import node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.medusa import MedusaConfig, MedusaHeads
 from verispec.model.packing import PackedLinear
 from verispec.model.transformer import Transformer
-from verispec.sampling import probs_for, sample
+from verispec.sampling import sample
 
 HISTORY = 256  # last-layer rows kept per sequence: how far a composed drafter's rollback may reach
 
@@ -101,14 +102,9 @@ class MedusaDrafter(Drafter):
                 drafts[i] = self._tree(logits[row], r, tree)
                 continue
             n = min(r.budget, k)
-            if r.params.greedy:
-                q = logits[row, :n].softmax(-1)
-                tokens = logits[row, :n].argmax(-1)
-                drafts[i] = Draft.chain(tokens.tolist(), None, q.gather(1, tokens[:, None])[:, 0])
-            else:
-                q = probs_for(logits[row, :n], r.params)
-                tokens = sample(q, r.generator)
-                drafts[i] = Draft.chain(tokens.tolist(), q, q.gather(1, tokens[:, None])[:, 0])
+            q = node_q(logits[row, :n], r.params)  # [n, V]
+            tokens = logits[row, :n].argmax(-1) if r.params.greedy else sample(q, r.generator)
+            drafts[i] = Draft.chain(tokens.tolist(), None if r.params.greedy else q, q.gather(1, tokens[:, None])[:, 0])
         return drafts
 
     def paths(self, shape: TreeConfig) -> list[tuple[int, ...]]:
@@ -118,7 +114,7 @@ class MedusaDrafter(Drafter):
     def _tree(self, logits: torch.Tensor, r: DraftRequest, shape: TreeConfig) -> Draft:  # logits [K, V]
         """The static tree's first paths that fit the budget, each node head depth's rank-th choice (point
         masses; the heads' q ranks at any temperature, the request's processed q when it samples)."""
-        q = logits.softmax(-1) if r.params.greedy else probs_for(logits, r.params)
+        q = node_q(logits, r.params)
         paths = self.paths(shape)
         width = max(max(p) for p in paths) + 1
         top_p, top_x = q.topk(min(width, q.shape[-1]), dim=-1)  # [K, width]
@@ -171,11 +167,7 @@ def load_medusa(path: str | Path, target: Transformer, tree: TreeConfig = TreeCo
     return MedusaDrafter(model, target, tree)
 
 
-def _bench_spec(zoo: Path) -> str | None:
-    return f"medusa:{zoo / 'medusa'}" if (zoo / "medusa" / "config.json").is_file() else None
-
-
-@register_drafter("medusa", bench_spec=_bench_spec, structured=True)
+@register_drafter("medusa", bench_spec=zoo_spec("medusa"), structured=True)
 def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
            options: dict[str, str] | None = None) -> MedusaDrafter:
     """`medusa:DIR` or `medusa(path=DIR, tree=auto|off, width=W, depth=D, nodes=N)`: trained Medusa heads; a tree

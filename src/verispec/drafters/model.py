@@ -13,7 +13,7 @@ from verispec.config import TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.tree import DynamicTree, frontier_mask
+from verispec.drafters.tree import DynamicTree, frontier_mask, node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.transformer import Transformer
@@ -129,7 +129,7 @@ class ModelDrafter(Drafter):
             logits, _ = self.model.forward_packed(torch.tensor([t for p in pending for t in p], device=device),
                                                   batch, last)  # [len(live), V]
             for row, i in enumerate(live):
-                frontier[i] = trees[i].grow([-1], self._q(logits[row : row + 1], requests[i]))
+                frontier[i] = trees[i].grow([-1], node_q(logits[row : row + 1], requests[i].params))
         while live := [i for i in live if frontier[i] and self._room(requests[i], len(frontier[i]))]:
             caches = [self._caches[requests[i].seq_id] for i in live]
             shapes = [self._frontier_inputs(trees[i], frontier[i], rows[i], caches[j], committed[i], device)
@@ -141,7 +141,7 @@ class ModelDrafter(Drafter):
             start = 0
             for i in live:
                 f = len(frontier[i])
-                frontier[i] = trees[i].grow(frontier[i], self._q(logits[start : start + f], requests[i]))
+                frontier[i] = trees[i].grow(frontier[i], node_q(logits[start : start + f], requests[i].params))
                 start += f
         for i in trees:
             self._caches[requests[i].seq_id].truncate(committed[i])  # drop the tree rows
@@ -150,11 +150,6 @@ class ModelDrafter(Drafter):
     def _room(self, request: DraftRequest, rows: int) -> bool:
         cache = self._caches[request.seq_id]
         return cache.length + rows <= cache.max_len
-
-    @staticmethod
-    def _q(logits: torch.Tensor, request: DraftRequest) -> torch.Tensor:  # [F, V] -> [F, V]
-        """The draft distribution that ranks children: the request's processed q, or softmax at temperature 0."""
-        return logits.float().softmax(dim=-1) if request.params.greedy else probs_for(logits, request.params)
 
     @staticmethod
     def _frontier_inputs(

@@ -17,8 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.config import TreeConfig
+from verispec.config import SamplingParams, TreeConfig
 from verispec.drafters.base import Draft
+from verispec.sampling import probs_for
+
+
+def node_q(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [F, V] -> [F, V] fp32
+    """The draft distribution at a node, which ranks its children (and is the q a sampled chain draws from): the
+    request's processed q, or the plain softmax at temperature 0."""
+    return logits.float().softmax(dim=-1) if params.greedy else probs_for(logits, params)
 
 
 @dataclass(frozen=True)

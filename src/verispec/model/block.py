@@ -30,7 +30,7 @@ from verispec.cache import KVCache
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 from verispec.kernels import native
-from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears
+from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears, native_norm
 from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
 from verispec.quant.linear import QuantLinear
 
@@ -241,11 +241,8 @@ class BlockDraftModel(nn.Module):
         return self._norm(self.hidden_norm, self.fc(h.to(self.dtype)))
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """norm(x), through the native kernel at inference on CPU in fp32 (one call for about ten small ops)."""
-        if (self.use_native and x.dtype == norm.weight.dtype == torch.float32 and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and native.available()):
-            return native.rmsnorm(x, norm.weight, norm.eps)
-        return norm(x)
+        """norm(x), through the native kernel at inference on CPU in fp32 (layers.native_norm) unless turned off."""
+        return native_norm(norm, x) if self.use_native else norm(x)
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [B, Hkv, T, D] of context features [B, T, d] at positions [B, T]."""

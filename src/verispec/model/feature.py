@@ -28,8 +28,7 @@ from verispec.cache import KVCache, PackedBatch
 from verispec.cache.packed import causal_mask
 from verispec.config import ModelConfig
 from verispec.errors import ConfigError
-from verispec.kernels import native
-from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, native_norm
 from verispec.model.packing import PackedLinear, PackedWeight, linear
 
 FEATURE_KINDS = ("eagle", "mtp")
@@ -95,13 +94,6 @@ class FeatureDraftModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """norm(x), in one native call at inference on CPU in fp32 (the torch op costs ~25 us a row there)."""
-        if (x.dtype == norm.weight.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and native.available()):
-            return native.rmsnorm(x, norm.weight, norm.eps)
-        return norm(x)
-
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:  # {layer: [..., T, d]} -> [..., T, d]
         """The committed positions' features f_j from the target's hidden states."""
         if self.config.kind == "mtp":
@@ -111,7 +103,7 @@ class FeatureDraftModel(nn.Module):
     def inputs(self, embed: nn.Embedding, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """u = W_in [enorm(E[x]) ; fnorm(f)]: tokens [..., T] (x_{j+1}), feats [..., T, d] -> [..., T, d]."""
         e = embed(tokens).to(self.dtype)
-        return self.w_in(torch.cat([self._norm(self.embed_norm, e), self._norm(self.feature_norm, feats)], dim=-1))
+        return self.w_in(torch.cat([native_norm(self.embed_norm, e), native_norm(self.feature_norm, feats)], dim=-1))
 
     def step(
         self,
@@ -148,7 +140,7 @@ class FeatureDraftModel(nn.Module):
 
     def logits(self, g: torch.Tensor, head: torch.Tensor, packed: PackedWeight | None = None
                ) -> torch.Tensor:  # [..., d], [V', d] -> [..., V'] fp32
-        return linear(self._norm(self.norm, g), head.to(g.dtype), None, packed).float()
+        return linear(native_norm(self.norm, g), head.to(g.dtype), None, packed).float()
 
     def ttt_forward(
         self,

@@ -57,10 +57,9 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
-    def states(self, x: torch.Tensor, n: int | None = None) -> torch.Tensor:  # [..., d] normed -> [..., n, d]
-        """The first n heads' states x + SiLU(W_k x + b_k)."""
-        heads = self.heads[: self.config.num_heads if n is None else n]
-        return torch.stack([x + F.silu(head(x)) for head in heads], dim=-2)
+    def states(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] normed -> [..., K, d]
+        """Every head's state x + SiLU(W_k x + b_k)."""
+        return torch.stack([x + F.silu(head(x)) for head in self.heads], dim=-2)
 
 
 def sparse_tree(accuracy: list[list[float]], nodes: int) -> tuple[tuple[int, ...], ...]:

@@ -78,6 +78,7 @@ def card(summary: dict, model, target: Path) -> str:
         f" Proposals see the latest {c['context_window']}..{2 * c['context_window']} committed entries "
         "(`window=N` changes it).")
     t = summary.get("target") or {}
+    depth = len(summary["held_out"]["per_pos"])
     return f"""# verispec {summary['kind']} drafter
 
 For `{_shown(target)}` (fingerprint `{t.get('fingerprint')}`): {what}; {summary['parameters'] / 1e6:.2f}M parameters
@@ -93,7 +94,7 @@ cross-entropy to the target's next-token distributions on the continuation part,
         --max-steps {c['max_steps']} --num-sequences {summary['num_sequences']} --dtype {c['target_dtype']}
 
 ## Held-out (validation split continuations)
-{summary['held_out']['anchors']} fixed anchors in 64 held-out continuations, greedy drafts of up to {len(summary['held_out']['per_pos'])} tokens:
+{summary['held_out']['anchors']} fixed anchors in 64 held-out continuations, greedy drafts of up to {depth} tokens:
 - greedy acceptance length tau {summary['held_out']['tau']:.2f}
 - per-position survival (all before accepted): {per_pos}
 """
