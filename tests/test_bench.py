@@ -53,7 +53,7 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
                            min_requests=2, max_tokens=6, max_prompt_tokens=20, dtype="fp32",
-                           poisson_rates=(50.0, 100.0), poisson_duration_s=0.2, min_prompt_tokens=8)
+                           poisson_rates=(50.0, 100.0), poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64)
     report = run(cfg, tmp_path / "out", progress=False)
     names = {r["arm"] for r in report["results"]}
     assert names == {"off", "fixed-1/ngram", "fixed-3/ngram", "batch-table/ngram", "dspark/ngram"}
@@ -64,6 +64,7 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     for r in report["results"] + report["open_loop"]:
         assert r["aggregate_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert set(r["ttft_s"]) == {"p50", "p90", "p99"} and r["requests"] >= 2
+        assert r["pool"]["preemptions"] >= 0 and 0 < r["pool"]["kv_peak_use"] <= 1  # a 64-position pool
     for r in report["open_loop"]:
         assert {"offered_rate", "completed_rate", "queue_slope", "sustained"} <= set(r) and r["failed"] == 0
     assert set(report["sustained"]) == names
@@ -74,6 +75,7 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     assert (tmp_path / "out" / "serve_openloop.png").stat().st_size > 0
     summary = (tmp_path / "out" / "serve_summary.md").read_text()
     assert "| arm |" in summary and "## Open loop" in summary and "highest sustained rate" in summary
+    assert "KV pool peak" in summary
 
 
 def test_method_labels_tell_specs_of_one_drafter_apart():

@@ -246,6 +246,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="serve suite: seconds of arrivals per open-loop rate")
     p.add_argument("--tpot-slo", type=float, default=None,
                    help="serve suite: TPOT p99 SLO in seconds of the 'highest sustained rate under the SLO'")
+    p.add_argument("--kv-pool", type=int, default=None,
+                   help="serve suite: the engine's KV pool in positions (EngineConfig.cache_budget_tokens); a small "
+                        "one shows preemptions")
     p.add_argument("--steps", type=int, default=150, help="ablation suite: training steps per arm")
     p.add_argument("--arms", default=None, help="ablation suite: comma-separated subset of the arms")
     p.set_defaults(func=cmd_bench)
@@ -320,7 +323,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
         "poisson_rates": tuple(float(r) for r in args.poisson.split(",") if r) if args.poisson is not None else None,
         "poisson_duration_s": args.poisson_duration, "tpot_slo_s": args.tpot_slo,
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens, "kv_pool": args.kv_pool,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     target = args.target or default_target()
@@ -559,7 +562,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=EngineConfig.k, help="draft length (fixed) / maximum (other policies)")
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     p.add_argument("--max-queued", type=int, default=EngineConfig.max_queued)
-    p.add_argument("--cache-budget-tokens", type=int, default=EngineConfig.cache_budget_tokens)
+    p.add_argument("--cache-budget-tokens", type=int, default=EngineConfig.cache_budget_tokens,
+                   help="the KV pool: cache positions over all running requests (short: the newest is preempted)")
+    p.add_argument("--kv-block", type=int, default=EngineConfig.kv_block,
+                   help="positions a request's cache grows by")
     p.add_argument("--prefix-cache-mb", type=int, default=EngineConfig.prefix_cache_bytes >> 20,
                    help="MiB of prompt-prefix KV rows kept for reuse across requests (0: off)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -607,6 +613,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_replicas(args, api_key, limits)
     config = EngineConfig(
         max_running=args.max_running, max_queued=args.max_queued, cache_budget_tokens=args.cache_budget_tokens,
+        kv_block=args.kv_block,
         policy=args.policy, k=args.k, drafter=None if args.drafter == "none" else args.drafter,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
     )
@@ -644,7 +651,8 @@ def _serve_replicas(args: argparse.Namespace, api_key: str | None, limits) -> in
     worker = [sys.executable, "-m", "verispec", "serve", "--host", "127.0.0.1", "--target", str(target),
               "--drafter", args.drafter, "--drafters", args.drafters, "--policy", args.policy, "--k", str(args.k),
               "--max-running", str(args.max_running), "--max-queued", str(args.max_queued),
-              "--cache-budget-tokens", str(args.cache_budget_tokens), "--prefix-cache-mb", str(args.prefix_cache_mb),
+              "--cache-budget-tokens", str(args.cache_budget_tokens), "--kv-block", str(args.kv_block),
+              "--prefix-cache-mb", str(args.prefix_cache_mb),
               "--max-body-bytes", str(args.max_body_bytes),
               "--max-tokens-limit", str(args.max_tokens_limit), "--body-timeout", str(args.body_timeout),
               "--served-model-name", args.served_model_name or Path(target).name, "--dtype", args.dtype,

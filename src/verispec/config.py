@@ -276,7 +276,11 @@ class EngineConfig:
 
     max_running: int = 32  # requests decoded together
     max_queued: int = 256  # waiting requests beyond which new ones are refused (QueueFull)
-    cache_budget_tokens: int = 1 << 17  # KV positions reserved over all running requests
+    # The KV pool: positions allocated over all running requests' caches. A cache starts at its prompt plus one
+    # draft round and grows by kv_block positions as it decodes; when the pool runs out the newest request is
+    # preempted (its cache freed, recomputed when it is admitted again).
+    cache_budget_tokens: int = 1 << 17
+    kv_block: int = 64
     prefill_chunk: int = 512  # prompt tokens prefilled per step, all requests together
     policy: str = "fixed"
     k: int = 4  # the draft length for `fixed`; the most any policy verifies per request
@@ -295,7 +299,7 @@ class EngineConfig:
                               f"{self.prefix_cache_bytes} and {self.prefix_block}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("max_running", "max_queued", "cache_budget_tokens", "prefill_chunk"):
+        for name in ("max_running", "max_queued", "cache_budget_tokens", "kv_block", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.k < 0:

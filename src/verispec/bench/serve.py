@@ -62,6 +62,7 @@ class ServeBenchConfig:
     # Higher rates than one an arm did not sustain are skipped for it: they cannot raise its highest sustained rate
     # (`openloop.max_sustained`) and each would end with a long backlog to drain.
     skip_above_unsustained: bool = True
+    kv_pool: int = EngineConfig.cache_budget_tokens  # the engine's KV pool (positions)
     seed: int = 0
 
     @classmethod
@@ -111,6 +112,23 @@ class LoadResult:
     tpot_s: dict = field(default_factory=dict)
     tau: float = 1.0
     mean_verified_per_round: float = 0.0
+    pool: dict = field(default_factory=dict)  # the engine's KV pool over this load (_pool_use)
+
+
+def _pool_counters(engine: Engine) -> tuple[int, int, int]:
+    """Preemptions and prefix-cache lookups so far; resets the engine's KV peak (read back by _pool_use)."""
+    engine.metrics.peak_kv_tokens = engine.reserved_tokens
+    prefix = engine.prefix
+    return engine.metrics.preemptions, prefix.queried_tokens if prefix else 0, prefix.hit_tokens if prefix else 0
+
+
+def _pool_use(engine: Engine, before: tuple[int, int, int]) -> dict:
+    """Preemptions, prefix-cache hit rate (prompt tokens) and the KV pool's peak use since `before`."""
+    prefix = engine.prefix
+    queried = (prefix.queried_tokens if prefix else 0) - before[1]
+    hits = (prefix.hit_tokens if prefix else 0) - before[2]
+    return {"preemptions": engine.metrics.preemptions - before[0], "prefix_hit_rate": hits / queried if queried else 0.0,
+            "kv_peak_use": engine.metrics.peak_kv_tokens / engine.config.cache_budget_tokens}
 
 
 def _pct(xs: list[float]) -> dict:
@@ -165,7 +183,7 @@ async def _open_loop(engine: AsyncEngine, prompts: list[list[int]], arrivals: li
 
 
 def _summarize(arm: Arm, mode: str, load: float, timings: list[_Timing], wall: float, engine: Engine,
-               before: tuple[int, int, int]) -> LoadResult:
+               before: tuple[int, int, int], pool: dict) -> LoadResult:
     m = engine.metrics
     drafts, draft_tokens, accepted = (m.num_drafts - before[0], m.num_draft_tokens - before[1],
                                       m.num_accepted_tokens - before[2])
@@ -177,7 +195,7 @@ def _summarize(arm: Arm, mode: str, load: float, timings: list[_Timing], wall: f
         per_user_tokens_per_s=statistics.fmean(t.tokens / (t.done - t.submitted) for t in timings),
         ttft_s=_pct([t.first - t.submitted for t in timings]), tpot_s=_pct(tpots),
         tau=1 + accepted / drafts if drafts else 1.0,
-        mean_verified_per_round=draft_tokens / drafts if drafts else 0.0,
+        mean_verified_per_round=draft_tokens / drafts if drafts else 0.0, pool=pool,
     )
 
 
@@ -211,6 +229,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     for arm in cfg.arms():
         engine = Engine(target, tokenizer, EngineConfig(
             policy=arm.policy, k=arm.k, drafter=arm.drafter, max_running=max_c, max_queued=4 * max_c + 64,
+            cache_budget_tokens=cfg.kv_pool,
         ), profile=profile)
         aeng = AsyncEngine(engine).start()
         try:
@@ -218,9 +237,11 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
             for clients in cfg.concurrency:
                 m = engine.metrics
                 before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
+                pool_before = _pool_counters(engine)
                 total = max(cfg.min_requests, clients * cfg.requests_per_client)
                 timings, wall = asyncio.run(_closed(aeng, prompts, clients, total, params))
-                res = _summarize(arm, "closed", float(clients), timings, wall, engine, before)
+                res = _summarize(arm, "closed", float(clients), timings, wall, engine, before,
+                                 _pool_use(engine, pool_before))
                 results.append(res)
                 if progress:
                     print(f"  {arm.name:22s} closed {clients:5d}: aggregate {res.aggregate_tokens_per_s:7.1f} tok/s, "
@@ -230,9 +251,10 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                 if cfg.skip_above_unsustained and any(r["arm"] == arm.name and not r["sustained"]
                                                       for r in open_results):
                     break
+                pool_before = _pool_counters(engine)
                 rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
                 open_results.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
-                                     **asdict(rr)})
+                                     **asdict(rr), "pool": _pool_use(engine, pool_before)})
                 if progress:
                     print(f"  {arm.name:22s} {rate:g} req/s: {'sustained' if rr.sustained else 'NOT sustained'} "
                           f"(completed {rr.completed_rate:.2f}/{rr.offered_rate:.2f} req/s, queue "

@@ -71,13 +71,13 @@ def summary_markdown(report: dict) -> str:
               f"request (greedy, ignore_eos), prompts from the shipped task sets mixed.", "",
               "## Closed loop (C clients, each sending its next request when its last one finished)", ""]
     lines += ["| arm | mode | load | requests | aggregate tok/s | per-user tok/s | τ | verified/round | "
-              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |", "|" + "---|" * 12]
+              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 15]
     for r in report["results"]:
         lines.append(
             f"| {r['arm']} | {r['mode']} | {r['load']:g} | {r['requests']} | {r['aggregate_tokens_per_s']:.1f} | "
             f"{r['per_user_tokens_per_s']:.1f} | {r['tau']:.2f} | {r['mean_verified_per_round']:.2f} | "
             f"{r['ttft_s'].get('p50', 0) * 1e3:.0f} | {r['ttft_s'].get('p99', 0) * 1e3:.0f} | "
-            f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} |")
+            f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} | {_pool(r)}")
     lines += _open_loop_lines(report)
     lines += ["", "## Goals", ""]
     for g in report["goals"]:
@@ -137,19 +137,30 @@ def _open_loop_lines(report: dict) -> list[str]:
              "both sustain." + (" Rates above the first one an arm did not sustain are not run for it."
                                 if c.get("skip_above_unsustained") else ""), "",
              "| arm | offered req/s | realized | completed req/s | queue growth /s | sustained | per-user tok/s | "
-             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |", "|" + "---|" * 11]
+             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 14]
     for r in ol:
         lines.append(
             f"| {r['arm']} | {r['rate']:g} | {r['offered_rate']:.2f} | {r['completed_rate']:.2f} | "
             f"{r['queue_slope']:+.3f} | {'yes' if r['sustained'] else '**no**'} | {r['per_user_tokens_per_s']:.1f} | "
             f"{r['ttft_s'].get('p50', 0) * 1e3:.0f} | {r['ttft_s'].get('p99', 0) * 1e3:.0f} | "
-            f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} |")
+            f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} | {_pool(r)}")
     slo = c["tpot_slo_s"]
     lines += ["", f"| arm | highest sustained rate (req/s) | highest with TPOT p99 <= {slo * 1e3:g} ms |",
               "|---|---|---|"]
     for arm, s in report["sustained"].items():
         lines.append(f"| {arm} | {_rate(s['max_sustained_rate'])} | {_rate(s['max_rate_under_slo'])} |")
     return lines
+
+
+_POOL_HEAD = "preemptions | prefix-cache hits | KV pool peak |"
+
+
+def _pool(r: dict) -> str:
+    """The KV pool columns (reports written before the pool was recorded show dashes)."""
+    p = r.get("pool")
+    if not p:
+        return "- | - | - |"
+    return f"{p['preemptions']} | {p['prefix_hit_rate']:.0%} | {p['kv_peak_use']:.1%} |"
 
 
 def _rate(x: float | None) -> str:

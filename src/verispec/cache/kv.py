@@ -106,15 +106,20 @@ class KVCache:
     def reserve(self, max_len: int) -> None:
         """Room for at least max_len entries: grows the storage (at least doubling it, committed entries
         copied) when it is smaller, for caches sized by what they hold rather than by the whole context."""
-        if max_len <= self.max_len:
-            return
-        new_len = max(max_len, 2 * self.max_len)
+        if max_len > self.max_len:
+            self.resize(max(max_len, 2 * self.max_len))
+
+    def resize(self, max_len: int) -> None:
+        """Storage for exactly max_len entries, the committed ones copied (the engine grows a request's cache
+        block by block from its pool)."""
+        if max_len < self.length:
+            raise ValueError(f"cannot resize a cache holding {self.length} entries to {max_len}")
         for name in ("k", "v"):
             old = getattr(self, name)
-            grown = old.new_zeros((*old.shape[:3], new_len, old.shape[4]))
+            grown = old.new_zeros((*old.shape[:3], max_len, old.shape[4]))
             grown[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, grown)
-        self.max_len = new_len
+        self.max_len = max_len
 
     def drop_front(self, n: int) -> None:
         """Forget the oldest n committed entries: the newest length - n move to the front (a sliding window)."""
@@ -233,8 +238,10 @@ class TieredKVCache(KVCache):
             self.k, self.v = self.store
             self._working = None
 
-    def reserve(self, max_len: int) -> None:
+    def resize(self, max_len: int) -> None:
         if self._working is not None:
-            raise RuntimeError("cannot grow a tiered cache while it is resident")
-        super().reserve(max_len)
+            raise RuntimeError("cannot resize a tiered cache while it is resident")
+        super().resize(max_len)
+        if self.compute_device.type == "cuda" and self.k.device.type == "cpu":
+            self.k, self.v = self.k.pin_memory(), self.v.pin_memory()
         self.store = (self.k, self.v)

@@ -1,7 +1,8 @@
 """The serving engine: continuous batching, one target forward per step over every running request.
 
-A step: admit waiting requests while the cache budget allows -> draft for every decoding request (one
-`propose` call per drafter) -> the policy picks how many draft tokens of each request to verify -> one packed
+A step: grow running requests' caches for their next round, preempting the newest while the KV pool is short
+-> admit waiting requests while the pool allows -> draft for every decoding request (one `propose` call per
+drafter) -> the policy picks how many draft tokens of each request to verify -> one packed
 forward over every request's pending tokens (prefill chunks, anchors, drafts) -> verify -> commit (caches,
 drafters, stop checks) -> emit. Per request this is the reference loop (`decode.py`) with the same draws in the
 same order, so its output equals `decode`'s whatever else is in the batch.
@@ -11,6 +12,13 @@ Chain and tree drafts share a step: a tree's segment of the packed forward carri
 torch forward for every row (the native one knows causal masks only). Verification (round.verify_batch): greedy
 chains in one batched call, sampled trees in one per kind of q, greedy trees and sampled chains one by one. The
 dspark policy cuts chains only; a tree is verified whole.
+
+KV on demand: a request's cache starts at its prompt plus one draft round and grows by `kv_block` positions;
+the pool (`cache_budget_tokens`) is the sum of what running caches hold. When it runs short the newest running
+request is preempted (recompute, as vLLM does by default): its cache and its drafter's state are freed, it
+returns to the head of the queue, and on readmission its committed tokens (prompt and output) are prefilled again
+and its drafter restarted from them. Its stop checker, sampling generator and statistics carry over, so its
+output is the one it would have had (tests/test_preemption.py).
 
 `add_request` and `abort` may be called from any thread; `step` runs on one thread only (the forwards switch a
 process-wide oneDNN flag).
@@ -57,7 +65,10 @@ class EngineMetrics(SpecStats):
     num_steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     rejected: int = 0  # refused at admission (queue full)
+    preemptions: int = 0  # running requests whose cache was freed for older ones (recomputed on readmission)
+    recomputed_tokens: int = 0  # committed tokens prefilled again after preemptions
     undrafted_steps: int = 0  # steps with dspark requests that drafted nothing: drafting did not pay at that load
+    peak_kv_tokens: int = 0  # the most KV positions running caches held at once (a bench may reset it)
 
     @property
     def generation_tokens(self) -> int:
@@ -100,7 +111,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.reserved_tokens = 0
+        self.reserved_tokens = 0  # KV positions the running requests' caches hold (the pool in use)
         self._inbox: deque[tuple[str, object]] = deque()  # ("add", Request) | ("abort", request_id)
         self._lock = threading.Lock()
         self._queued = 0  # requests added but not yet admitted (inbox adds + waiting)
@@ -127,16 +138,16 @@ class Engine:
             caps = self.drafter(drafter).capabilities  # fail now, not inside a step, if the spec is bad
             if spec.tree is not None and spec.tree.enabled and not (caps.trees or caps.tree_requests):
                 raise ConfigError(f"drafter {drafter!r} drafts chains only; a tree needs model, eagle, mtp or medusa")
-        reserved = min(self.limit, len(prompt) + params.max_tokens + k + 1)
-        if reserved > self.config.cache_budget_tokens:
+        max_positions = min(self.limit, len(prompt) + params.max_tokens + k + 1)
+        if max_positions > self.config.cache_budget_tokens:
             raise ConfigError(
-                f"the request needs {reserved} KV cache positions (prompt {len(prompt)} + max_tokens "
+                f"the request needs {max_positions} KV cache positions (prompt {len(prompt)} + max_tokens "
                 f"{params.max_tokens} + draft {k + 1}); the engine's cache budget is {self.config.cache_budget_tokens}"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid, seq_id=next(self._seq_ids), prompt=list(prompt), params=params, drafter=drafter,
-            policy=policy, k=k, verify=spec.verify, reserved=reserved, arrival=time.perf_counter(),
+            policy=policy, k=k, verify=spec.verify, max_positions=max_positions, arrival=time.perf_counter(),
             stopper=StopChecker(params, len(prompt), self.limit, self.eos, self.tokenizer, prompt),
             generator=None if params.greedy else make_generator(params.seed, self.target.device),
             tokens=list(prompt), tree=spec.tree,
@@ -193,7 +204,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
+        self._grow()
         self._admit()
+        self.metrics.peak_kv_tokens = max(self.metrics.peak_kv_tokens, self.reserved_tokens)
         if not self.running:
             return outputs
         with torch.inference_mode():
@@ -235,25 +248,69 @@ class Engine:
                 outputs.append(self._finish(req, "abort", None, []))
                 return
 
+    def _capacity(self, req: Request, need: int) -> int:
+        """Cache positions to hold `need`: whole KV blocks, never more than the request can ever use."""
+        block = self.config.kv_block
+        return min(req.max_positions, -(-need // block) * block)
+
+    def _next_round(self, req: Request) -> int:
+        """Positions the request's next forward may fill: its committed tokens and a full draft."""
+        return min(req.max_positions, len(req.tokens) + req.k + 1)
+
     def _admit(self) -> None:
-        # First come, first served: the head waits until it fits, so large requests do not starve.
+        # First come, first served: the head waits until it fits, so large requests do not starve. It also leaves
+        # each running request a block to grow into, so that admitting it does not preempt it at the next step.
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
-            if self.reserved_tokens + req.reserved > self.config.cache_budget_tokens:
+            size = self._capacity(req, self._next_round(req))
+            headroom = self.config.kv_block * len(self.running)
+            if self.reserved_tokens + size + headroom > self.config.cache_budget_tokens:
                 return
             self.waiting.popleft()
-            req.cache = KVCache.for_model(self.target, max_len=req.reserved, tier=self.config.kv_tier)
+            req.cache = KVCache.for_model(self.target, max_len=size, tier=self.config.kv_tier)
             if self.prefix is not None and self.prefix.takes(req.cache) and not self._reads_prompt(req):
                 self.prefix.load(req.prompt, req.cache)  # the prefill then starts after the rows it found
-            self.reserved_tokens += req.reserved
-            req.started = time.perf_counter()
-            self.metrics.prompt_tokens += len(req.prompt)
+            self.reserved_tokens += size
+            if req.preemptions:
+                self.metrics.recomputed_tokens += len(req.tokens) - req.cache.length
+            else:
+                self.metrics.prompt_tokens += len(req.prompt)
             if req.drafter is not None:
                 self.drafter(req.drafter).start(req.seq_id, req.tokens)
                 lend_cache(self.drafter(req.drafter), req.seq_id, req.cache)
             self.running.append(req)
             with self._lock:  # only now: has_unfinished() never sees the request in neither place
                 self._queued -= 1
+
+    def _grow(self) -> None:
+        """Room in every running cache for its next round, oldest request first; while the pool is short, the
+        newest running request is preempted (possibly the one that needed the room)."""
+        budget = self.config.cache_budget_tokens
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.cache is None or req.cache.max_len >= self._next_round(req):
+                continue  # preempted for an older request already, or room enough
+            size = self._capacity(req, self._next_round(req))
+            while self.reserved_tokens + size - req.cache.max_len > budget:
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                self.reserved_tokens += size - req.cache.max_len
+                req.cache.resize(size)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's cache and drafter state and queue it first again (recomputed on readmission)."""
+        with self._lock:  # counted as queued before it leaves `running`: has_unfinished() never misses it
+            self._queued += 1
+        self.waiting.appendleft(req)
+        self.reserved_tokens -= req.cache.max_len
+        if req.drafter is not None:
+            self.drafter(req.drafter).finish(req.seq_id)
+        self.running.remove(req)
+        req.cache = None
+        req.preemptions += 1
+        self.metrics.preemptions += 1
 
     def _finish(
         self, req: Request, reason: str, stop_reason: str | int | None, token_ids: list[int], text: str = ""
@@ -263,7 +320,7 @@ class Engine:
         self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
         self.estimator.forget(req.request_id)
         if req in self.running:
-            self.reserved_tokens -= req.reserved
+            self.reserved_tokens -= req.cache.max_len
             if req.drafter is not None:
                 self.drafter(req.drafter).finish(req.seq_id)
             self.running.remove(req)
@@ -300,6 +357,13 @@ class Engine:
         prefill: list[tuple[Request, int]] = []  # (request, prompt tokens to prefill only)
         for req in self.running:
             todo = len(req.pending) - 1  # tokens before the anchor
+            if req.recomputing and self._reads_prompt(req):
+                # Prefill only, up to the anchor: a round riding along would draft nothing (its drafter reads
+                # the context this forward computes) and take draws the request never took unpreempted.
+                if chunk_left > 0:
+                    prefill.append((req, min(todo, chunk_left)))
+                    chunk_left -= min(todo, chunk_left)
+                continue
             if todo <= chunk_left:
                 chunk_left -= todo
                 decoding.append(req)
@@ -445,10 +509,13 @@ class Engine:
     # ---- introspection -------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Debug check: caches hold exactly the committed tokens but the anchor; reservations add up."""
-        assert self.reserved_tokens == sum(r.reserved for r in self.running), "reserved tokens out of sync"
+        assert self.reserved_tokens == sum(r.cache.max_len for r in self.running), "reserved tokens out of sync"
         assert self.reserved_tokens <= self.config.cache_budget_tokens, "over the cache budget"
         for r in self.running:
             assert r.cache is not None and r.cache.length <= len(r.tokens) - 1, f"{r.request_id}: cache overrun"
+            assert r.cache.max_len <= r.max_positions, f"{r.request_id}: cache larger than it can use"
+        for r in self.waiting:
+            assert r.cache is None, f"{r.request_id}: a waiting request holds a cache"
 
     def check_idle(self) -> None:
         """Assert that an engine with nothing to do holds nothing of any request: no queued, waiting or running

@@ -36,7 +36,7 @@ class Request:
     policy: str
     k: int
     verify: str
-    reserved: int  # KV positions reserved for this request
+    max_positions: int  # the most KV positions its cache can need (prompt + max_tokens + a draft round)
     arrival: float
     stopper: StopChecker
     generator: torch.Generator | None
@@ -47,6 +47,12 @@ class Request:
     last_verified: int = 1 << 30  # draft tokens the dspark policy verified last round (unbounded at first)
     shadow: deque[tuple[int, list[int]]] = field(default_factory=deque)  # (index in tokens, whole proposal)
     tree: TreeConfig | None = None  # its draft-tree shape (RequestSpec.tree); None: the drafter's own
+    preemptions: int = 0  # times its cache was freed to make room; each time it is recomputed on readmission
+
+    @property
+    def recomputing(self) -> bool:
+        """Preempted and readmitted, its committed tokens not all back in the cache yet."""
+        return self.preemptions > 0 and self.stats.num_rounds > 0 and len(self.pending) > 1
 
     @property
     def pending(self) -> list[int]:

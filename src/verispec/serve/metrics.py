@@ -26,8 +26,12 @@ def render_metrics(engine: Engine) -> str:
     lines: list[str] = []
     lines += _line("num_requests_running", "gauge", "Requests being decoded.", [({}, len(engine.running))])
     lines += _line("num_requests_waiting", "gauge", "Requests waiting for admission.", [({}, engine.num_waiting)])
-    lines += _line("kv_cache_usage_perc", "gauge", "Fraction of the KV cache budget reserved by running requests.",
+    lines += _line("kv_cache_usage_perc", "gauge", "Fraction of the KV pool held by running requests' caches.",
                    [({}, engine.reserved_tokens / budget)])
+    lines += _line("num_preemptions", "counter", "Running requests preempted because the KV pool ran short.",
+                   [({}, m.preemptions)])
+    lines += _line("recomputed_tokens", "counter", "Committed tokens prefilled again after preemptions.",
+                   [({}, m.recomputed_tokens)])
     lines += _line("prompt_tokens", "counter", "Prompt tokens of admitted requests.", [({}, m.prompt_tokens)])
     lines += _line("generation_tokens", "counter", "Generated tokens.", [({}, m.generation_tokens)])
     lines += _line("request_success", "counter", "Finished requests by finish reason.",
