@@ -160,3 +160,23 @@ def test_metrics_show_preemptions_and_pool_use(target):
     assert use == engine.reserved_tokens / 120 and 0.5 < use <= 1.0
     engine.run_until_done()
     assert "verispec:kv_cache_usage_perc 0.0" in render_metrics(engine)
+
+
+def test_a_block_as_large_as_a_request_reserves_it_whole(target, plain):
+    """kv_block >= prompt + max_tokens + draft: each cache is its request's whole need from admission on, so
+    requests wait instead of being preempted (the reservation the engine made before KV on demand)."""
+    engine = Engine(target, None, EngineConfig(drafter="ngram", cache_budget_tokens=150, kv_block=1 << 20, k=4),
+                    drafters=drafters(target))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, GREEDY, RequestSpec(), f"r{i}")
+    most = 0
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+        engine.check_invariants()
+        assert all(r.cache.max_len == r.max_positions for r in engine.running)
+        most = max(most, len(engine.running))
+    assert most == 2 and engine.metrics.preemptions == 0
+    assert [results[f"r{i}"].token_ids for i in range(5)] == plain

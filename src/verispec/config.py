@@ -278,7 +278,8 @@ class EngineConfig:
     max_queued: int = 256  # waiting requests beyond which new ones are refused (QueueFull)
     # The KV pool: positions allocated over all running requests' caches. A cache starts at its prompt plus one
     # draft round and grows by kv_block positions as it decodes; when the pool runs out the newest request is
-    # preempted (its cache freed, recomputed when it is admitted again).
+    # preempted (its cache freed, recomputed when it is admitted again). A kv_block of at least prompt + max_tokens
+    # reserves each request's whole cache at admission instead (no growth, no preemption).
     cache_budget_tokens: int = 1 << 17
     kv_block: int = 64
     prefill_chunk: int = 512  # prompt tokens prefilled per step, all requests together

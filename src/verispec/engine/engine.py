@@ -259,11 +259,12 @@ class Engine:
 
     def _admit(self) -> None:
         # First come, first served: the head waits until it fits, so large requests do not starve. It also leaves
-        # each running request a block to grow into, so that admitting it does not preempt it at the next step.
+        # each running request its next block to grow into, so that admitting it does not preempt it at once.
+        block = self.config.kv_block
+        headroom = sum(min(block, r.max_positions - r.cache.max_len) for r in self.running)
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             size = self._capacity(req, self._next_round(req))
-            headroom = self.config.kv_block * len(self.running)
             if self.reserved_tokens + size + headroom > self.config.cache_budget_tokens:
                 return
             self.waiting.popleft()
@@ -271,6 +272,7 @@ class Engine:
             if self.prefix is not None and self.prefix.takes(req.cache) and not self._reads_prompt(req):
                 self.prefix.load(req.prompt, req.cache)  # the prefill then starts after the rows it found
             self.reserved_tokens += size
+            headroom += min(block, req.max_positions - size)
             if req.preemptions:
                 self.metrics.recomputed_tokens += len(req.tokens) - req.cache.length
             else:
