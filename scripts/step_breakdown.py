@@ -65,17 +65,22 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8,32,64")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arms", default="plain,dspark", help="plain, dspark, dspark-undrafted (the gate never drafts), plain-no-prefix-cache")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare/breakdown.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_model(ROOT / "zoo/target", dtype="bf16")
     tok = Tokenizer.from_dir(ROOT / "zoo/target")
     prompts = [tok.encode(r["prompt"][-600:]) for t in ("code_completion", "code_continuation") for r in load_task(t)]
-    arms = {"plain": EngineConfig(drafter=None, max_running=64),
-            "dspark": EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8, max_running=64)}
+    dspark = EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8, max_running=64)
+    arms = {"plain": EngineConfig(drafter=None, max_running=64), "dspark": dspark, "dspark-undrafted": dspark,
+            "plain-no-prefix-cache": EngineConfig(drafter=None, max_running=64, prefix_cache_bytes=0)}
+    arms = {a: c for a, c in arms.items() if a in args.arms.split(",")}
     rows = []
     for arm, config in arms.items():
         engine = Engine(target, None, config)
+        if arm == "dspark-undrafted":  # the gate never drafts: what carrying the drafter costs on its own
+            engine.gate.draft = lambda requests, clean=True: False
         totals = {k: 0.0 for k in (*PHASES, "step")}
         timed_engine(engine, totals)
         aeng = AsyncEngine(engine).start()
@@ -85,13 +90,15 @@ def main() -> None:
                 for k in totals:
                     totals[k] = 0.0
                 steps0, tokens0 = engine.metrics.num_steps, engine.metrics.num_output_tokens
+                undrafted0 = engine.metrics.undrafted_steps
                 wall = asyncio.run(closed_loop(aeng, prompts, c, max(2, args.requests // c)))
                 steps = engine.metrics.num_steps - steps0
                 tokens = engine.metrics.num_output_tokens - tokens0
                 ms = {k: 1e3 * v / max(steps, 1) for k, v in totals.items()}
                 other = ms["step"] - sum(ms[p] for p in PHASES)
                 between = 1e3 * wall / max(steps, 1) - ms["step"]
-                rows.append((arm, c, tokens / wall, steps, ms, other, between))
+                undrafted = (engine.metrics.undrafted_steps - undrafted0) / max(steps, 1)
+                rows.append((arm, c, tokens / wall, steps, ms, other, between, undrafted))
                 print(arm, c, f"{tokens / wall:.0f} tok/s", {k: round(v, 2) for k, v in ms.items()}, flush=True)
         finally:
             aeng.shutdown()
@@ -99,10 +106,11 @@ def main() -> None:
            f"`python scripts/step_breakdown.py --clients {args.clients} --requests {args.requests}`: the zoo target in "
            f"bf16, {args.threads} threads, 48 new tokens, ~150-token code prompts.", "",
            "| arm | clients | tok/s | steps | drafting | dspark cut | target forward | verify | commit | other in step "
-           "| between steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for arm, c, rate, steps, ms, other, between in rows:
+           "| between steps | undrafted steps |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, c, rate, steps, ms, other, between, undrafted in rows:
         out.append(f"| {arm} | {c} | {rate:.0f} | {steps} | {ms['_draft']:.2f} | {ms['_schedule']:.2f} | "
-                   f"{ms['forward']:.2f} | {ms['_verify']:.2f} | {ms['_commit']:.2f} | {other:.2f} | {between:.2f} |")
+                   f"{ms['forward']:.2f} | {ms['_verify']:.2f} | {ms['_commit']:.2f} | {other:.2f} | {between:.2f} | "
+                   f"{undrafted:.0%} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(out) + "\n")
     print("\n".join(out))

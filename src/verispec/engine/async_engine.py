@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from verispec.config import RequestSpec, SamplingParams
 from verispec.engine.engine import Engine
 from verispec.engine.request import RequestOutput
+from verispec.threads import release_openmp_threads
 
 
 @functools.cache
@@ -41,32 +42,6 @@ def release_free_memory() -> bool:
     return bool(trim is not None and trim(0) >= 0)
 
 
-def release_openmp_threads() -> int:
-    """Free the calling thread's OpenMP worker threads in every OpenMP runtime loaded (`omp_pause_resource_all`,
-    soft); the number of runtimes that did. Linux only (the runtimes are found in /proc/self/maps); 0 elsewhere.
-
-    Each thread that enters a parallel region keeps a pool of workers. libgomp counts every pool's threads, and
-    once they outnumber the CPUs its workers stop spinning between regions and sleep instead: a step runs a
-    parallel region per matmul and attention call, and waking the workers for each made the engine's steps 2.4x
-    slower on its loop thread than on the thread that loaded the model (one-token step 3.6 vs 1.5 ms, Zen 5,
-    2 vCPUs). The loading thread's pool, released once the
-    model is ready, leaves the loop thread the only one with workers."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if any(k in line for k in ("libgomp", "libomp", "libiomp"))}
-    except OSError:
-        return 0
-    released = 0
-    for path in sorted(paths):
-        try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all
-        except (OSError, AttributeError):
-            continue
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        released += pause(1) == 0  # 1 = omp_pause_soft: the runtime starts new workers when next needed
-    return released
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine, trim_when_idle: bool = True) -> None:
         self.engine = engine
@@ -82,6 +57,7 @@ class AsyncEngine:
 
     def start(self) -> AsyncEngine:
         release_openmp_threads()  # the loop thread runs every forward from now on (see release_openmp_threads)
+        self.engine.step_thread = self._thread
         self._thread.start()
         return self
 
