@@ -1,6 +1,6 @@
 """engine.prefix: prompt-prefix KV reuse across requests. Outputs equal plain decoding (fp32, bf16 native,
-seeded sampling), hits are counted, eviction keeps the byte budget, drafters that need the prompt's own forward
-never take copied rows."""
+seeded sampling), hits are counted, eviction keeps the byte budget, drafters reading the target's hidden states take
+hits with them (drafting exactly what they draft without the cache), VeriCache takes none."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import no_native_reason, tiny_model
 from test_block_drafter import make_block
+from test_feature_drafters import drafter_for
 
 from verispec.cache import KVCache
-from verispec.config import EngineConfig, RequestSpec, SamplingParams
+from verispec.config import EngineConfig, RequestSpec, SamplingParams, TreeConfig
 from verispec.decode import decode
 from verispec.drafters import BlockDrafter
 from verispec.engine import Engine
@@ -91,22 +92,82 @@ def test_eviction_keeps_the_byte_budget_least_recently_used_first():
     pc.store(toks, cache)
     assert len(pc.entries) == 2 and pc.nbytes == 2 * per_block  # the first two went out
     fresh = KVCache.for_model(target, max_len=200)
-    assert pc.load(toks, fresh) == 0  # the prefix's first block is gone, so nothing after it is usable
+    assert pc.load(toks, fresh) == (0, {})  # the prefix's first block is gone, so nothing after it is usable
     with pytest.raises(ConfigError, match="prefix_cache_bytes"):
         EngineConfig(prefix_cache_bytes=-1)
 
 
-def test_drafters_that_need_the_prompts_forward_never_take_copied_rows():
-    """A block drafter needs the target's hidden states of the prompt: its requests prefill in full (no hits),
-    and still store their blocks for others."""
+def _stats(results) -> list[tuple[int, int, int]]:
+    return [(r.stats.num_drafts, r.stats.num_draft_tokens, r.stats.num_accepted_tokens) for r in results]
+
+
+@pytest.mark.parametrize("kind", ["block", "eagle"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_hidden_state_drafters_take_hits_with_the_context_a_prefill_gives(dtype, kind):
+    """A block drafter reads the target's hidden states of the prompt: its blocks are stored with them, a later
+    request of the same drafter takes the hit and its drafter gets them, drafting exactly what it drafts without
+    the prefix cache (the same drafts, accepted the same, in every round); blocks a plain request stored (no
+    hidden states) are no hit for it until it stores them with its own."""
+    if dtype == "bf16" and not native.available():
+        pytest.skip(no_native_reason())
     target = tiny_model(6)
-    block = BlockDrafter(make_block(target, head="markov", confidence=True), target)
-    engine = Engine(target, None, EngineConfig(drafter="blk", k=4), drafters={"blk": block})
+    if dtype == "bf16":
+        target = target.to(torch.bfloat16).pack_weights()
+    model = make_block(target, head="markov", confidence=True)
+    plain = [decode(target, p, GREEDY).token_ids for p in PROMPTS]
+    runs = {}
+    for cached in (True, False):
+        drafter = BlockDrafter(model, target) if kind == "block" else drafter_for("eagle", target, TreeConfig())
+        engine = Engine(target, None, EngineConfig(drafter="blk", k=4, prefix_cache_bytes=(64 << 20) * cached),
+                        drafters={"blk": drafter})
+        results = []
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(p, GREEDY, RequestSpec(), request_id=str(i))
+            results.append(engine.run_until_done()[str(i)])
+        engine.check_idle()
+        assert [r.token_ids for r in results] == plain
+        runs[cached] = (engine, results)
+    engine, results = runs[True]
+    assert engine.prefix.hit_tokens == 64 + 64 + 32
+    assert _stats(results) == _stats(runs[False][1])
+    assert all(r.stats.num_drafts > 0 for r in results)
+
+    engine = Engine(target, None, EngineConfig(drafter="blk", k=4), drafters={"blk": BlockDrafter(model, target)})
+    assert one_at_a_time(engine, PROMPTS[:1], spec=RequestSpec(drafter="none")) == plain[:1]
+    assert engine.prefix.entries and all(not h for _, _, h in engine.prefix.entries.values())
+    assert one_at_a_time(engine, PROMPTS[1:2]) == plain[1:2]
+    assert engine.prefix.hit_tokens == 0  # rows without hidden states: no hit for the block drafter
+    assert all(h for _, _, h in engine.prefix.entries.values())  # ... which stored its own with them
+    assert one_at_a_time(engine, PROMPTS[2:3]) == plain[2:3]
+    assert engine.prefix.hit_tokens == 64
+
+
+def test_vericache_takes_no_copied_rows():
+    """VeriCache's compressed view follows the rows the target's forwards write: its requests prefill in full."""
+    target = tiny_model(6)
+    engine = Engine(target, None, EngineConfig(drafter="vericache(compress=streaming, budget=12, sinks=2)", k=4))
     plain = [decode(target, p, GREEDY).token_ids for p in PROMPTS[:2]]
     assert one_at_a_time(engine, PROMPTS[:2]) == plain
     assert engine.prefix.hit_tokens == 0 and engine.prefix.entries
-    assert one_at_a_time(engine, PROMPTS[1:2], spec=RequestSpec(drafter="none")) == plain[1:]
-    assert engine.prefix.hit_tokens == 96  # all three full blocks of that same prompt, stored by its first run
+
+
+def test_store_adds_hidden_states_to_blocks_stored_without_them():
+    target = tiny_model(6)
+    cache = KVCache.for_model(target, max_len=64)
+    cache.length = 24
+    pc = PrefixCache(budget_bytes=1 << 20, block=8)
+    toks = list(range(3, 30))
+    pc.store(toks, cache)
+    kv_bytes = pc.nbytes
+    hidden = {2: torch.randn(20, 5)}  # positions 4..23: covers the blocks at 8 and 16 only
+    pc.store(toks, cache, hidden, start=4)
+    layers = [set(h) for _, _, h in pc.entries.values()]
+    assert layers == [set(), {2}, {2}] and pc.nbytes == kv_bytes + 2 * 8 * 5 * 4
+    fresh = KVCache.for_model(target, max_len=64)
+    assert pc.load(toks, fresh, (2,)) == (0, {})  # the first block has none: nothing after it is usable
+    pc.store(toks, cache, {2: torch.randn(24, 5)})
+    n, h = pc.load(toks, fresh, (2,))
+    assert n == 24 and h[2].shape == (24, 5) and torch.equal(h[2][8:], hidden[2][4:])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

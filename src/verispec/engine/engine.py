@@ -278,8 +278,9 @@ class Engine:
                 return
             self.waiting.popleft()
             req.cache = KVCache.for_model(self.target, max_len=size, tier=self.config.kv_tier)
-            if self.prefix is not None and self.prefix.takes(req.cache) and not self._reads_prompt(req):
-                self.prefix.load(req.prompt, req.cache)  # the prefill then starts after the rows it found
+            layers = self._prefix_layers(req)
+            # the prefill then starts after the rows it found
+            hit, hidden = self.prefix.load(req.prompt, req.cache, layers) if layers is not None else (0, {})
             self.reserved_tokens += size
             headroom += min(block, req.max_positions - size)
             if req.preemptions:
@@ -289,6 +290,8 @@ class Engine:
             if req.drafter is not None:
                 self.drafter(req.drafter).start(req.seq_id, req.tokens)
                 lend_cache(self.drafter(req.drafter), req.seq_id, req.cache)
+                if hit and hidden:  # what the prefill of those rows would have shown it
+                    self.drafter(req.drafter).observe(req.seq_id, 0, hidden)
             self.running.append(req)
             with self._lock:  # only now: has_unfinished() never sees the request in neither place
                 self._queued -= 1
@@ -320,6 +323,7 @@ class Engine:
             self.drafter(req.drafter).finish(req.seq_id)
         self.running.remove(req)
         req.cache = None
+        req.prompt_hidden.clear()
         req.preemptions += 1
         self.metrics.preemptions += 1
 
@@ -345,12 +349,22 @@ class Engine:
         return RequestOutput(req.request_id, token_ids, text, result)
 
     def _reads_prompt(self, req: Request) -> bool:
-        """Whether the request's drafter needs the prompt's own forward (its hidden states or the KV as written),
-        which rows copied from the prefix cache do not give it."""
+        """Whether the request's drafter reads what the target's forward computes for the context (its hidden
+        states or the KV as written), so that it cannot draft in the step that computes them."""
         if req.drafter is None:
             return False
         needs = self.drafter(req.drafter).capabilities
         return bool(needs.hidden_layers) or needs.reads_target_kv
+
+    def _prefix_layers(self, req: Request) -> tuple[int, ...] | None:
+        """The hidden layers a prefix-cache hit must bring along for this request's drafter; None where it takes
+        no hits (no prefix cache, a tiered cache, or a drafter reading the target's KV as written)."""
+        if self.prefix is None or not self.prefix.takes(req.cache):
+            return None
+        if req.drafter is None:
+            return ()
+        needs = self.drafter(req.drafter).capabilities
+        return None if needs.reads_target_kv else tuple(needs.hidden_layers)
 
     def _budget(self, req: Request, num_decoding: int) -> int:
         """The most draft tokens this request may propose this step (never past max_tokens or the context)."""
@@ -428,7 +442,10 @@ class Engine:
             )
         for req, pos, row, n in observed:
             if req.drafter is not None and hidden:
-                self.drafter(req.drafter).observe(req.seq_id, pos, {k: h[row : row + n] for k, h in hidden.items()})
+                rows = {k: h[row : row + n] for k, h in hidden.items()}
+                self.drafter(req.drafter).observe(req.seq_id, pos, rows)
+                if req.stats.num_rounds == 0 and self._prefix_layers(req):  # for the prefix cache (_commit)
+                    req.prompt_hidden.append((pos, {k: h.clone() for k, h in rows.items()}))
         verdicts = self._verify(rounds, logits)
         for rnd, verdict in zip(rounds, verdicts):
             self._commit(rnd, verdict, hidden, logit_rows, outputs)
@@ -500,7 +517,9 @@ class Engine:
         if req.stats.num_rounds == 1:
             req.stats.ttft_s = time.perf_counter() - req.arrival
             if self.prefix is not None and self.prefix.takes(req.cache):  # the whole prompt is in the cache now
-                self.prefix.store(req.prompt, req.cache)
+                chunks, req.prompt_hidden = req.prompt_hidden, []
+                rows = {k: torch.cat([c[k] for _, c in chunks]) for k in chunks[0][1]} if chunks else None
+                self.prefix.store(req.prompt, req.cache, rows, chunks[0][0] if chunks else 0)
         if rnd.proposed:
             req.shadow.append((n, rnd.proposed))
         self._learn_acceptance(req)

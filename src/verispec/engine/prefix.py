@@ -7,10 +7,13 @@ starts with cached blocks gets those rows copied into its own cache and prefills
 
 Requests own contiguous caches here (not pages), so a hit is a copy (one row of the zoo target is 16 KB; with a
 1,000-token shared prefix the first token came after 23 ms instead of 216, scripts/prefix_ttft.py on a Zen 5),
-entries need no reference counts, and eviction is least recently used by bytes. Requests whose drafter needs the
-prompt's own forward (hidden states, the target's KV as written) take no copied rows (Engine._reads_prompt). Exactness: the native kernels compute every row alone, in an
-order that does not depend on how many rows a forward holds, so a copied row is the row a prefill would have
-written (tests/test_prefix_cache.py checks outputs against plain decoding).
+entries need no reference counts, and eviction is least recently used by bytes. A block can also keep the target's
+hidden states of its rows at the layers a drafter reads (DSpark, EAGLE, MTP, Medusa): such a drafter's request
+takes a hit only on blocks that have them, and gets them with the rows, so its drafter sees the context a prefill
+would have given it. A drafter reading the target's KV as written (VeriCache) takes no copied rows. Exactness: the
+native kernels compute every row alone, in an order that does not depend on how many rows a forward holds, so a
+copied row (and hidden state) is the one a prefill would have written (tests/test_prefix_cache.py checks outputs
+against plain decoding).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from verispec.cache import KVCache
 
 
@@ -27,7 +32,8 @@ from verispec.cache import KVCache
 class PrefixCache:
     budget_bytes: int
     block: int = 32
-    entries: OrderedDict = field(default_factory=OrderedDict)  # key -> (k, v) [L, B, Hkv, block, D], LRU last
+    # key -> (k, v [L, B, Hkv, block, D], {layer: hidden [block, d]}), least recently used first
+    entries: OrderedDict = field(default_factory=OrderedDict)
     nbytes: int = 0
     queried_tokens: int = 0  # prompt tokens looked up, and of those, found (the hit rate's two counters)
     hit_tokens: int = 0
@@ -41,41 +47,58 @@ class PrefixCache:
             out.append(prev)
         return out
 
-    def load(self, prompt: list[int], cache: KVCache) -> int:
-        """Copy the longest cached prefix of `prompt` into the empty `cache`; the number of rows now in it. The
-        prompt's last token is always left to compute: the first round needs its logits."""
+    def load(self, prompt: list[int], cache: KVCache,
+             layers: tuple[int, ...] = ()) -> tuple[int, dict[int, torch.Tensor]]:  # rows, {layer: [rows, d]}
+        """Copy the longest cached prefix of `prompt` whose blocks hold hidden states at `layers` into the empty
+        `cache`; the number of rows now in it and those rows' hidden states. The prompt's last token is always
+        left to compute: the first round needs its logits."""
         usable = self.keys(prompt[: len(prompt) - 1])
         self.queried_tokens += len(prompt) - 1
-        n = 0
+        n, hidden = 0, []
         for key in usable:
             hit = self.entries.get(key)
-            if hit is None:
+            if hit is None or any(layer not in hit[2] for layer in layers):
                 break
             self.entries.move_to_end(key)
-            k, v = hit
+            k, v, h = hit
             cache.k[:, :, :, n : n + self.block] = k
             cache.v[:, :, :, n : n + self.block] = v
+            hidden.append(h)
             n += self.block
         cache.length = cache.round_start = n
         self.hit_tokens += n
-        return n
+        return n, {layer: torch.cat([h[layer] for h in hidden]) for layer in layers} if n else {}
 
-    def store(self, prompt: list[int], cache: KVCache) -> None:
-        """Copy out the full blocks of `prompt` that `cache` holds and the prefix cache lacks."""
+    def store(self, prompt: list[int], cache: KVCache, hidden: dict[int, torch.Tensor] | None = None,
+              start: int = 0) -> None:
+        """Copy out the full blocks of `prompt` that `cache` holds and the prefix cache lacks; with `hidden`
+        ({layer: [m, d]} for positions start..start+m-1), the hidden states of the blocks they cover too (added
+        to blocks stored without them)."""
+        m = next(iter(hidden.values())).shape[0] if hidden else 0
         for i, key in enumerate(self.keys(prompt[: cache.length])):
-            if key in self.entries:
+            lo, hi = i * self.block, (i + 1) * self.block
+            h = {layer: t[lo - start : hi - start].clone() for layer, t in hidden.items()} \
+                if hidden and start <= lo and hi <= start + m else {}
+            old = self.entries.get(key)
+            if old is not None:
                 self.entries.move_to_end(key)
-                continue
-            rows = slice(i * self.block, (i + 1) * self.block)
-            k, v = cache.k[:, :, :, rows].clone(), cache.v[:, :, :, rows].clone()
-            size = 2 * k.numel() * k.element_size()
+                if not h or set(h) <= set(old[2]):
+                    continue
+                self._drop(key)
+                k, v = old[0], old[1]
+                h = {**old[2], **h}
+            else:
+                k, v = cache.k[:, :, :, lo:hi].clone(), cache.v[:, :, :, lo:hi].clone()
+            size = _nbytes(k, v, h)
             if size > self.budget_bytes:
                 return
             while self.nbytes + size > self.budget_bytes:
-                _, (old_k, old_v) = self.entries.popitem(last=False)
-                self.nbytes -= 2 * old_k.numel() * old_k.element_size()
-            self.entries[key] = (k, v)
+                self._drop(next(iter(self.entries)))
+            self.entries[key] = (k, v, h)
             self.nbytes += size
+
+    def _drop(self, key: bytes) -> None:
+        self.nbytes -= _nbytes(*self.entries.pop(key))
 
     @staticmethod
     def takes(cache: KVCache) -> bool:
@@ -86,3 +109,7 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
         self.nbytes = 0
+
+
+def _nbytes(k: torch.Tensor, v: torch.Tensor, hidden: dict[int, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in (k, v, *hidden.values()))

@@ -48,6 +48,9 @@ class Request:
     shadow: deque[tuple[int, list[int]]] = field(default_factory=deque)  # (index in tokens, whole proposal)
     tree: TreeConfig | None = None  # its draft-tree shape (RequestSpec.tree); None: the drafter's own
     preemptions: int = 0  # times its cache was freed to make room; each time it is recomputed on readmission
+    # the prompt rows' hidden states its drafter read, (first position, {layer: [n, d]}) per forward, kept for the
+    # prefix cache until its first round stores the prompt's blocks
+    prompt_hidden: list[tuple[int, dict[int, torch.Tensor]]] = field(default_factory=list)
 
     @property
     def recomputing(self) -> bool:
