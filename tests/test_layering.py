@@ -17,7 +17,7 @@ SRC = Path(verispec.__file__).parent
 
 # Low to high. A module's layer is that of its longest listed prefix; a module not listed is a tool (the top).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "paths", "config", "metrics", "zoo"),
+    ("errors", "paths", "config", "metrics", "zoo", "threads"),
     ("kernels", "sampling", "verify", "cache"),
     ("model", "quant"),  # QuantLinear is a layer of the model; quant.convert (a tool) is not
     ("stopping", "drafters"),
