@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import no_native_reason, tiny_model
 from test_block_drafter import make_block
+from test_engine import PROMPTS
 from test_feature_drafters import drafter_for
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams, TreeConfig
@@ -20,13 +21,6 @@ from verispec.engine import Engine
 from verispec.kernels import native
 from verispec.serve.metrics import render_metrics
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6],
-    [3, 44, 17, 90, 2, 61, 28],
-    [1, 2, 3] * 6,
-    [50],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33],
-]
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 # Five requests of up to 23 + 40 + 5 positions in a pool of 120: all start, and growing preempts some.
 TIGHT = dict(cache_budget_tokens=120, kv_block=8, k=4, prefill_chunk=16)
@@ -56,8 +50,10 @@ def drafters(target) -> dict:
     }
 
 
-def run(engine: Engine, requests: list[tuple[list[int], SamplingParams, RequestSpec]]) -> list[list[int]]:
-    """Add every request at once, step to the end checking the pool after every step; outputs in order."""
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams, RequestSpec]],
+        after_step=lambda engine: None) -> list[list[int]]:
+    """Add every request at once, step to the end checking the pool (and `after_step`) after every step; outputs in
+    order."""
     ids = [engine.add_request(p, params, spec, f"r{i}") for i, (p, params, spec) in enumerate(requests)]
     results = {}
     while engine.has_unfinished():
@@ -65,6 +61,7 @@ def run(engine: Engine, requests: list[tuple[list[int], SamplingParams, RequestS
             if out.result is not None:
                 results[out.request_id] = out.result
         engine.check_invariants()
+        after_step(engine)
     engine.check_idle()
     return [results[i].token_ids for i in ids]
 
@@ -167,16 +164,11 @@ def test_a_block_as_large_as_a_request_reserves_it_whole(target, plain):
     requests wait instead of being preempted (the reservation the engine made before KV on demand)."""
     engine = Engine(target, None, EngineConfig(drafter="ngram", cache_budget_tokens=150, kv_block=1 << 20, k=4),
                     drafters=drafters(target))
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(p, GREEDY, RequestSpec(), f"r{i}")
-    most = 0
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.result is not None:
-                results[out.request_id] = out.result
-        engine.check_invariants()
+    running = []
+
+    def whole(engine: Engine) -> None:
         assert all(r.cache.max_len == r.max_positions for r in engine.running)
-        most = max(most, len(engine.running))
-    assert most == 2 and engine.metrics.preemptions == 0
-    assert [results[f"r{i}"].token_ids for i in range(5)] == plain
+        running.append(len(engine.running))
+
+    assert run(engine, [(p, GREEDY, RequestSpec()) for p in PROMPTS], whole) == plain
+    assert max(running) == 2 and engine.metrics.preemptions == 0
