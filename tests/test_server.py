@@ -1072,6 +1072,46 @@ def test_forced_rejection_no_kv_leak(ckpt, draft_ckpt, model):
             assert metric(scrape(c), "kv_cache_usage_perc") == 0
 
 
+def test_preempted_streams_finish_with_the_plain_text(ckpt, draft_ckpt, model):
+    """KV on demand through the server: a pool too small for four growing requests preempts some mid-stream; every
+    streamed and non-streamed text is still plain greedy decoding's, /metrics counts the preemptions, and at idle
+    the pool is empty."""
+    n, prompt = 40, "class Point:"
+    expected = expected_completion(model, ckpt, prompt, n)
+    prompt_len = len(Tokenizer.from_dir(ckpt).plain_text_copy().encode(prompt))
+    config = EngineConfig(max_running=4, max_queued=64, cache_budget_tokens=3 * (prompt_len + n) // 2, kv_block=4,
+                          drafter=f"model:{draft_ckpt}", k=2)
+    state = build_state(ckpt, config, dtype="fp32", api_key=KEY)
+    with running(state) as s:
+        texts: list[str] = []
+
+        def run(stream: bool) -> None:
+            with s.client() as c:
+                for _ in range(2):
+                    body = completion_body(prompt=prompt, max_tokens=n, ignore_eos=True)
+                    if stream:
+                        with c.stream("POST", C, json={**body, "stream": True}) as r:
+                            assert r.status_code == 200
+                            texts.append("".join(json.loads(p)["choices"][0]["text"] for p in sse_events(r)[:-1]))
+                    else:
+                        r = c.post(C, json=body)
+                        assert r.status_code == 200, r.text
+                        texts.append(r.json()["choices"][0]["text"])
+
+        threads = [threading.Thread(target=run, args=(i % 2 == 0,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert texts == [expected] * 8
+        assert wait_idle(s.engine)
+        s.engine.check_invariants()
+        with s.client() as c:
+            samples = scrape(c)
+        assert metric(samples, "num_preemptions_total") == s.engine.metrics.preemptions > 0
+        assert metric(samples, "kv_cache_usage_perc") == 0
+
+
 # ---- 8. health, readiness, metrics (G1, G3) -------------------------------------------------------------------
 def test_health_and_ready(srv):
     """G1: /health is public; /ready needs the key and says ready once the warm-up generation went through."""
