@@ -127,6 +127,21 @@ def test_just_over_capacity_is_caught_by_the_growing_queue():
     assert not res.sustained and res.queue_slope > 0.02 * res.offered_rate
 
 
+def test_completions_are_counted_one_latency_after_arrivals():
+    """A server that keeps up (2 s per request, never queueing) and a few more arrivals in the window's last two
+    seconds: counted over the window itself their completions fall after it and read as a shortfall; counted over
+    the window shifted by the median latency, the rate is sustained."""
+    cfg = OpenLoopConfig(duration_s=50.0, warmup_frac=0.2)
+    arrivals = [0.5 * i for i in range(96)] + [48.1 + 0.2 * i for i in range(8)]
+    clock = FakeClock()
+    server = FakeServer(clock, slots=100, service_s=2.0)
+    timings = asyncio.run(run_open_loop(server.send, arrivals, clock))
+    res = assess(2.0, timings, cfg)
+    assert res.sustained and res.completed_rate == pytest.approx(res.offered_rate)
+    unshifted = sum(1 for t in timings if 10.0 <= t.done < 50.0)
+    assert unshifted < 0.98 * res.offered_rate * 40 - 1  # what the window alone would have counted: not sustained
+
+
 def test_latency_percentiles_and_per_user_speed():
     res = run_rate(1.0, CFG, slots=16)  # nobody waits: every request takes exactly the service time
     assert res.tpot_s["p50"] == pytest.approx((0.5 - 0.05) / 10) == res.tpot_s["p99"]

@@ -133,7 +133,8 @@ def _open_loop_lines(report: dict) -> list[str]:
     lines = ["", "## Open loop (Poisson arrivals at a fixed offered rate, the same schedule for every arm)", "",
              f"{c['poisson_duration_s']:g} s of arrivals per rate, prompts of {c['min_prompt_tokens']} to "
              f"{c['max_prompt_tokens']} tokens. Sustained: completed rate within 2% of offered over the window after "
-             "a 20% warm-up, and the queue (requests in the system) not growing. Arms are compared only at rates "
+             "a 20% warm-up (completions counted one median latency later than arrivals), and the queue (requests "
+             "in the system) not growing. Arms are compared only at rates "
              "both sustain." + (" Rates above the first one an arm did not sustain are not run for it."
                                 if c.get("skip_above_unsustained") else ""), "",
              "| arm | offered req/s | realized | completed req/s | queue growth /s | sustained | per-user tok/s | "
