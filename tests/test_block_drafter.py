@@ -319,12 +319,13 @@ def _observed(drafter, seq_id, prompt, target):
     with torch.inference_mode():
         _, hidden = target(torch.tensor([prompt]), hidden_layers=(1,))
     drafter.observe(seq_id, 0, {1: hidden[1][0, : len(prompt) - 1]})
+    drafter._flush(seq_id)  # observed rows wait for the next proposal; the tests look at the projected cache
     return hidden[1][0]
 
 
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_accepted_rows_projected_with_the_block_equal_a_separate_append(rounds, target):
-    """accept() defers a round's rows to the next proposal, which projects them together with the block (and
+    """accept() (and observe()) defer rows to the next proposal, which projects them together with the block (and
     after prompt-lookup rounds, several rounds' rows at once): the same context cache and the same draft as
     appending them on their own first."""
     model = make_block(target, head="markov", confidence=True)
@@ -340,6 +341,7 @@ def test_accepted_rows_projected_with_the_block_equal_a_separate_append(rounds, 
         rows = {1: hidden[1][0, pos : pos + n]}
         fused.accept(Verified(0, n - 1, [], rows))
         separate.observe(0, pos, rows)
+        separate._flush(0)  # appended on their own, before the proposal
         pos += n
     assert fused.context_length(0) == separate._ctx[0].length == pos
     req = [DraftRequest(0, tokens[: pos + 1], 4, SamplingParams(), None)]

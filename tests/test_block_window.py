@@ -103,10 +103,13 @@ def test_window_bookkeeping_through_prefill_chunks(target):
         d.start(0, LONG)
         for a, b in chunks:
             d.observe(0, a, {1: rows[a:b]})
+            assert d.context_length(0) == b
+        d._flush(0)  # observed rows wait for the next proposal; project them now to look at the cache
         assert d.context_length(0) == 20 and d._ctx[0].length == 4 and d._ctx_start[0] == 16
         whole = BlockDrafter(model, target)
         whole.start(0, LONG)
         whole.observe(0, 0, {1: rows[:20]})
+        whole._flush(0)
         torch.testing.assert_close(d._ctx[0].k[:, :, :, :4], whole._ctx[0].k[:, :, :, 16:20], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(d._ctx[0].v[:, :, :, :4], whole._ctx[0].v[:, :, :, 16:20], rtol=1e-5, atol=1e-6)
         assert whole._ctx[0].length == 20

@@ -5,7 +5,7 @@ Per sequence the drafter keeps a cache of context keys/values built from the tar
 committed position before the anchor: the prompt's come from the prefill (`observe`), later ones from the rows
 each verification round verified and kept (`accept`: the anchor and the accepted drafts). So a round costs one
 block forward of the drafter plus an O(gamma) head loop; the target forward that verifies a round also yields the
-next round's context. Accepted rows wait (`_pending`) for the next proposal, whose block forward projects them
+next round's context. Prompt and accepted rows wait (`_pending`) for the next proposal, whose block forward projects them
 with the block in one pass per layer (a one-request proposal; batched ones append them first). A one-request
 proposal runs each draft layer in one native call where the kernels build (model.block, kernels/blocklayer.c).
 
@@ -102,20 +102,17 @@ class BlockDrafter(Drafter):
     def live_sequences(self) -> set[int]:
         return set(self._ctx) | set(self._pending) | set(self._ctx_start)
 
-    @torch.inference_mode()
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
-        self._flush(seq_id)
-        cache, w = self._ctx[seq_id], self.window
         if start != self.context_length(seq_id):
             raise ValueError(f"context cache holds {self.context_length(seq_id)} positions, new rows start at {start}")
-        rows = next(iter(hidden.values())).shape[0]
+        rows, w = next(iter(hidden.values())).shape[0], self.window
         if w and rows >= w:  # nothing before this chunk's last w rows stays visible: never project them
-            cache.truncate(0)
+            self._ctx[seq_id].truncate(0)
+            self._pending.pop(seq_id, None)
             self._ctx_start[seq_id] = start + rows - w
             hidden = {layer: h[rows - w :] for layer, h in hidden.items()}
-        self.model.append_context(cache, self.model.context_features(hidden)[None], self.context_length(seq_id),
-                                  self._ctx_start[seq_id])
-        self._keep_latest(seq_id, w)
+        # Projected by the next proposal, like accepted rows: a request the draft gate keeps plain never pays it.
+        self._pending.setdefault(seq_id, []).append(hidden)
 
     def _keep_latest(self, seq_id: int, rows: int) -> None:
         """Slide the context window: keep the latest `rows` entries of the cache (0: keep everything)."""
