@@ -112,7 +112,7 @@ class BlockDrafter(Drafter):
             self._ctx_start[seq_id] = start + rows - w
             hidden = {layer: h[rows - w :] for layer, h in hidden.items()}
         # Projected by the next proposal, like accepted rows: a request the draft gate keeps plain never pays it.
-        self._pending.setdefault(seq_id, []).append(hidden)
+        self._pending.setdefault(seq_id, []).append({layer: h.clone() for layer, h in hidden.items()})
 
     def _keep_latest(self, seq_id: int, rows: int) -> None:
         """Slide the context window: keep the latest `rows` entries of the cache (0: keep everything)."""
@@ -124,7 +124,9 @@ class BlockDrafter(Drafter):
     def accept(self, result: Verified) -> None:
         # Rows of the anchor and the accepted drafts: context for positions anchor_pos .. anchor_pos + accepted,
         # projected by the next proposal (several rounds' rows if prompt lookup drafted in between).
-        keep = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
+        # Copies: a view would keep the step's whole [rows, d] hidden outputs alive until the next proposal, every
+        # step's for a request the draft gate keeps plain.
+        keep = {layer: h[: result.num_accepted + 1].clone() for layer, h in result.target_hidden.items()}
         self._pending.setdefault(result.seq_id, []).append(keep)
 
     def context_length(self, seq_id: int) -> int:
