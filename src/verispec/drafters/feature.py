@@ -83,13 +83,15 @@ class FeatureDrafter(Drafter):
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         if start != self.known(seq_id):
             raise ValueError(f"{self.name} drafter holds {self.known(seq_id)} positions, new rows start at {start}")
-        self._pending[seq_id].append(self.model.features(hidden))
+        self._pending[seq_id].append(self.model.features(hidden).clone())  # a copy: see accept
 
     @torch.inference_mode()
     def accept(self, result: Verified) -> None:
         # The anchor's and the accepted drafts' rows: positions anchor .. anchor + accepted
         rows = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
-        self._pending[result.seq_id].append(self.model.features(rows))
+        # a copy where features() is the hidden state itself (MTP on a target of its dtype): a view would keep the
+        # step's whole [rows, d] hidden outputs alive until the next proposal
+        self._pending[result.seq_id].append(self.model.features(rows).clone())
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         # Entries cover positions [0, tokens - 1): keep [0, num_tokens - 1), the last of them pending again (a
