@@ -115,7 +115,8 @@ def main() -> None:
            "recomputed tokens | pool peak | outputs equal |", "|---|---|---|---|---|---|---|---|---|"]
     for (work, arm), r in med.items():
         out.append(f"| {work} | {arm} | {r['tok_s']:.0f} | {r['running']:.1f} | {r['out_tokens']:.0f} | "
-                   f"{r['preemptions']:.0f} | {r['recomputed']:.0f} | {r['peak']:.0%} | {'yes' if r['equal'] else 'NO'} |")
+                   f"{r['preemptions']:.0f} | {r['recomputed']:.0f} | {r['peak']:.0%} | "
+                   f"{'yes' if r['equal'] else 'NO'} |")
     for work in WORKLOADS:
         a, b = med.get((work, "on-demand")), med.get((work, "reserve"))
         if a and b:

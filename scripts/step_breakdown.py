@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8,32,64")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--arms", default="plain,dspark", help="plain, dspark, dspark-undrafted (the gate never drafts), plain-no-prefix-cache")
+    ap.add_argument("--arms", default="plain,dspark",
+                    help="plain, dspark, dspark-undrafted (the gate never drafts), plain-no-prefix-cache")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare/breakdown.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -115,8 +115,9 @@ class LoadResult:
     pool: dict = field(default_factory=dict)  # the engine's KV pool over this load (_pool_use)
 
 
-def _pool_counters(engine: Engine) -> tuple[int, int, int]:
-    """Preemptions and prefix-cache lookups so far; resets the engine's KV peak (read back by _pool_use)."""
+def _pool_start(engine: Engine) -> tuple[int, int, int]:
+    """Start measuring the KV pool over one load: resets the engine's KV peak (read back by _pool_use) and
+    returns the preemption and prefix-cache counters so far."""
     engine.metrics.peak_kv_tokens = engine.reserved_tokens
     prefix = engine.prefix
     return engine.metrics.preemptions, prefix.queried_tokens if prefix else 0, prefix.hit_tokens if prefix else 0
@@ -127,7 +128,8 @@ def _pool_use(engine: Engine, before: tuple[int, int, int]) -> dict:
     prefix = engine.prefix
     queried = (prefix.queried_tokens if prefix else 0) - before[1]
     hits = (prefix.hit_tokens if prefix else 0) - before[2]
-    return {"preemptions": engine.metrics.preemptions - before[0], "prefix_hit_rate": hits / queried if queried else 0.0,
+    return {"preemptions": engine.metrics.preemptions - before[0],
+            "prefix_hit_rate": hits / queried if queried else 0.0,
             "kv_peak_use": engine.metrics.peak_kv_tokens / engine.config.cache_budget_tokens}
 
 
@@ -237,7 +239,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
             for clients in cfg.concurrency:
                 m = engine.metrics
                 before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
-                pool_before = _pool_counters(engine)
+                pool_before = _pool_start(engine)
                 total = max(cfg.min_requests, clients * cfg.requests_per_client)
                 timings, wall = asyncio.run(_closed(aeng, prompts, clients, total, params))
                 res = _summarize(arm, "closed", float(clients), timings, wall, engine, before,
@@ -251,7 +253,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                 if cfg.skip_above_unsustained and any(r["arm"] == arm.name and not r["sustained"]
                                                       for r in open_results):
                     break
-                pool_before = _pool_counters(engine)
+                pool_before = _pool_start(engine)
                 rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
                 open_results.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
                                      **asdict(rr), "pool": _pool_use(engine, pool_before)})

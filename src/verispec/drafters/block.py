@@ -5,9 +5,10 @@ Per sequence the drafter keeps a cache of context keys/values built from the tar
 committed position before the anchor: the prompt's come from the prefill (`observe`), later ones from the rows
 each verification round verified and kept (`accept`: the anchor and the accepted drafts). So a round costs one
 block forward of the drafter plus an O(gamma) head loop; the target forward that verifies a round also yields the
-next round's context. Prompt and accepted rows wait (`_pending`) for the next proposal, whose block forward projects them
-with the block in one pass per layer (a one-request proposal; batched ones append them first). A one-request
-proposal runs each draft layer in one native call where the kernels build (model.block, kernels/blocklayer.c).
+next round's context. Prompt and accepted rows wait (`_pending`) for the next proposal, whose block forward
+projects them with the block in one pass per layer (a one-request proposal; batched ones append them first). A
+one-request proposal runs each draft layer in one native call where the kernels build (model.block,
+kernels/blocklayer.c).
 
 The context is a sliding window when the drafter has one (`BlockConfig.context_window` W, or `:window=N` in the
 spec): a proposal sees the latest W..2W positions. The prefill keeps its last W rows (earlier ones are never

@@ -301,9 +301,10 @@ class Engine:
         newest running request is preempted (possibly the one that needed the room)."""
         budget = self.config.cache_budget_tokens
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if req.cache is None or req.cache.max_len >= self._next_round(req):
+            need = self._next_round(req)
+            if req.cache is None or req.cache.max_len >= need:
                 continue  # preempted for an older request already, or room enough
-            size = self._capacity(req, self._next_round(req))
+            size = self._capacity(req, need)
             while self.reserved_tokens + size - req.cache.max_len > budget:
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)

@@ -77,21 +77,22 @@ class PrefixCache:
         m = next(iter(hidden.values())).shape[0] if hidden else 0
         for i, key in enumerate(self.keys(prompt[: cache.length])):
             lo, hi = i * self.block, (i + 1) * self.block
-            h = {layer: t[lo - start : hi - start].clone() for layer, t in hidden.items()} \
-                if hidden and start <= lo and hi <= start + m else {}
+            covered = bool(hidden) and start <= lo and hi <= start + m
             old = self.entries.get(key)
             if old is not None:
                 self.entries.move_to_end(key)
-                if not h or set(h) <= set(old[2]):
+                if not covered or set(hidden) <= set(old[2]):
                     continue
-                self._drop(key)
-                k, v = old[0], old[1]
-                h = {**old[2], **h}
-            else:
+            h = {layer: t[lo - start : hi - start].clone() for layer, t in hidden.items()} if covered else {}
+            if old is None:
                 k, v = cache.k[:, :, :, lo:hi].clone(), cache.v[:, :, :, lo:hi].clone()
+            else:  # the block again, with the hidden states it lacked
+                k, v, h = old[0], old[1], {**old[2], **h}
             size = _nbytes(k, v, h)
             if size > self.budget_bytes:
                 return
+            if old is not None:
+                self._drop(key)
             while self.nbytes + size > self.budget_bytes:
                 self._drop(next(iter(self.entries)))
             self.entries[key] = (k, v, h)

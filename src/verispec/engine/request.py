@@ -42,7 +42,6 @@ class Request:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)  # committed: prompt + output
     cache: KVCache | None = None
-    started: float = 0.0
     stats: SpecStats = field(default_factory=SpecStats)
     last_verified: int = 1 << 30  # draft tokens the dspark policy verified last round (unbounded at first)
     shadow: deque[tuple[int, list[int]]] = field(default_factory=deque)  # (index in tokens, whole proposal)
