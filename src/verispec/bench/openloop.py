@@ -7,7 +7,7 @@ arrival window minus a warm-up):
 - its completed rate is within `tolerance` (2%) of the offered rate (one request of integer slack), completions
   counted over the window shifted by the median latency of the window's requests: what arrives in the window
   completes about one latency later, and counted unshifted, a burst of arrivals in the window's last latency (as
-  Poisson arrivals have) read as a shortfall of 5-9% at 12 req/s for arms that kept up (queue not growing), and
+  Poisson arrivals have) read as a shortfall of 4-11% at 12 req/s for arms that kept up (queue not growing), and
 - its queue is not growing: the least-squares slope of requests-in-system over the window, times the window,
   piles up at most `tolerance` of the window's arrivals (or one request).
 Two arms are compared "at matched throughput" only at rates both sustain. The pieces are pure or take an injected
