@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from conftest import tiny_model
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams
@@ -98,3 +100,39 @@ def test_engine_skips_drafting_where_it_does_not_pay_and_outputs_stay_plain():
     results = engine.run_until_done()
     assert [results[str(i)].token_ids for i in range(3)] == plain
     assert engine.metrics.undrafted_steps > engine.metrics.num_steps // 2
+
+
+def test_probe_spacing_weighs_a_probes_time_beyond_the_better_choice():
+    """A drafted step that commits many more tokens than a plain one is not charged as the ratio of the rates: a
+    probe costs the time it takes beyond what plain steps take for the same tokens (at 64 requests, Zen 5: 173 ms
+    for ~190 tokens against plain's 55 in 23 ms; spacing by the rates' ratio probed every 24 steps, which let 7% of
+    the steps take 19% of the time)."""
+    g = warmed(64, probe_every=16, probe_cost=0.05)
+    g.record(64, True, tokens=190, seconds=0.173)
+    g.record(64, False, tokens=55, seconds=0.023)
+    loss = 0.173 - 190 * 0.023 / 55  # 93.5 ms beyond plain for the same tokens
+    assert g.spacing(g.bucket(64)) == math.ceil(loss / (0.05 * 0.023)) == 82
+    picks = [g.draft(64) for _ in range(164)]
+    assert [i + 1 for i, p in enumerate(picks) if p] == [82, 164]
+
+
+def test_a_heavier_load_starts_plain_where_a_lighter_one_found_drafting_slower():
+    g = warmed(8, probe_every=4, probe_cost=0.05)
+    g.record(8, True, tokens=16, seconds=0.030)  # drafting at 8-15 requests: 533 tokens/s
+    g.record(8, False, tokens=8, seconds=0.008)  # plain: 1,000 tokens/s
+    every = g.spacing(g.bucket(8))
+    assert every > 4
+    picks = []
+    for _ in range(2 * every):  # 16-31 requests, never measured: plain first (its warm-up, then its measurement)
+        picks.append(g.draft(20))
+        if not picks[-1]:
+            g.record(20, False, tokens=20, seconds=0.015)
+    assert [i + 1 for i, p in enumerate(picks) if p] == [every, 2 * every]  # drafting probed at the lighter spacing
+    assert g.draft(20, clean=False) is False
+
+
+def test_a_heavier_load_measures_drafting_first_where_a_lighter_one_found_it_faster():
+    g = warmed(8)
+    g.record(8, True, tokens=40, seconds=0.010)
+    g.record(8, False, tokens=8, seconds=0.008)
+    assert g.draft(20) is True

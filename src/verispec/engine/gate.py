@@ -6,8 +6,15 @@ drafts are cut anyway, the step is slower than plain (measured through the serve
 plain's aggregate). The gate compares committed tokens per second of recent steps that drafted and of steps that
 did not, per load (the number of decoding requests, in powers of two), and drafts only where drafting has paid;
 the other choice is retried now and then so that a change of load, text or acceptance shows: every `probe_every`
-steps, or more rarely when it is much slower, so that probing costs at most `probe_cost` of the time (a drafted
-step at 32 requests took 83 ms against a plain one's 9.7: probing it every 16th step cost half the throughput).
+steps, or more rarely when it costs more, so that probing costs at most `probe_cost` of the time. A probe's cost is
+the time it takes beyond what the better choice would have taken for the same tokens, against the better choice's
+step time: a drafted step at 64 requests took 173 ms for ~190 tokens where plain steps made 2,400 tokens/s in 23
+ms (a 93 ms loss: probed every 81 steps, not every 24 as a spacing by the ratio of the rates gave, which let 7% of
+the steps take 19% of the time).
+
+Drafting pays less the more requests share a step (each verified token costs real compute once the step is
+compute-bound), so a load is not measured from scratch where a lighter load already found drafting slower: it
+starts plain, and its first drafted step waits for the lighter load's probe spacing.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 @dataclass
 class DraftGate:
     probe_every: int = 16  # the most often the other choice is retried
-    probe_cost: float = 0.05  # the share of time probing may cost: a probe r times slower waits 1/0.05 * (r - 1) steps
+    probe_cost: float = 0.05  # the share of time probing may cost (see spacing)
     decay: float = 0.9  # weight of the past in each choice's token and time averages
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
@@ -34,17 +41,41 @@ class DraftGate:
         """Whether this step, with `requests` decoding, drafts for its dspark requests. A step that is not
         `clean` (it also prefills) is not measured: it takes the better choice known, plain until both are."""
         b = self.bucket(requests)
-        rates = self.rates
-        drafted, plain = rates.get((b, True)), rates.get((b, False))
+        drafted, plain = self.sums.get((b, True)), self.sums.get((b, False))
         if not clean:
-            return drafted is not None and plain is not None and drafted >= plain
+            return drafted is not None and plain is not None and self._rate(drafted) >= self._rate(plain)
         n = self.steps[b] = self.steps.get(b, 0) + 1
-        if drafted is None or plain is None:  # measure both first: drafting, then plain
-            return drafted is None
-        best = drafted >= plain
-        slower = max(drafted, plain) / max(min(drafted, plain), 1e-9)  # how many times slower the other choice is
-        every = max(self.probe_every, math.ceil((slower - 1) / self.probe_cost))
-        return (not best) if n % every == 0 else best
+        if drafted is None or plain is None:
+            lighter = self._losing_lighter(b)
+            if lighter is None:  # measure both first: drafting, then plain
+                return drafted is None
+            # a lighter load found drafting slower: plain first, drafting after that load's probe spacing
+            return plain is not None and n % self.spacing(lighter) == 0
+        best = self._rate(drafted) >= self._rate(plain)
+        return (not best) if n % self.spacing(b) == 0 else best
+
+    @staticmethod
+    def _rate(sums: tuple[float, float]) -> float:
+        return sums[0] / sums[1]
+
+    def spacing(self, bucket: int) -> int:
+        """Decisions between probes at a load whose two choices are measured: the other choice's time beyond what
+        the better one takes for the same tokens, as a share of the better one's step time, kept to probe_cost."""
+        (t_d, s_d), (t_p, s_p) = self.sums[(bucket, True)], self.sums[(bucket, False)]
+        if t_d / s_d >= t_p / s_p:
+            (t_best, s_best), (t_other, s_other) = (t_d, s_d), (t_p, s_p)
+        else:
+            (t_best, s_best), (t_other, s_other) = (t_p, s_p), (t_d, s_d)
+        loss = s_other - t_other * s_best / max(t_best, 1e-9)  # seconds a probe costs over the better choice
+        return max(self.probe_every, math.ceil(loss / (self.probe_cost * s_best)))
+
+    def _losing_lighter(self, bucket: int) -> int | None:
+        """The heaviest lighter load with both choices measured, if drafting was the slower one there."""
+        for b in range(bucket - 1, 0, -1):
+            drafted, plain = self.sums.get((b, True)), self.sums.get((b, False))
+            if drafted is not None and plain is not None:
+                return b if self._rate(drafted) < self._rate(plain) else None
+        return None
 
     def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A step's committed tokens and wall time (drafting included). Steps that also prefilled are not
