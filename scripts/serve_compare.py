@@ -89,6 +89,17 @@ async def closed_loop(port: int, model: str, texts: list[str], clients: int, per
             "requests": len(lat), "tokens": sum(toks)}
 
 
+def engine_counters(port: int) -> dict[str, float]:
+    """The verispec server's step counters from /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        for name in ("engine_steps", "engine_undrafted_steps"):
+            if line.startswith(f"verispec:{name}_total "):
+                out[name] = float(line.split()[-1])
+    return out
+
+
 def library(texts: list[str], max_tokens: int, threads: int, repeats: int) -> float:
     """The library's plain decoding, one request at a time, in a process of its own (tokens/s per request)."""
     code = f"""
@@ -135,16 +146,25 @@ def main() -> None:
         if arm == "llama-server":
             servers[arm] = start(arm, ports[arm], args.threads, c)
             asyncio.run(closed_loop(ports[arm], "target", texts, 1, 1, args.max_tokens))  # warm-up
+        before = engine_counters(ports[arm]) if arm != "llama-server" else {}
         try:
             r = asyncio.run(closed_loop(ports[arm], servers[arm][1], texts, c, max(2, args.requests // c),
                                         args.max_tokens))
+            if before:  # the engine's steps, and those that drafted (the dspark arm's gate)
+                after = engine_counters(ports[arm])
+                r["steps"] = after["engine_steps"] - before["engine_steps"]
+                r["drafted_steps"] = r["steps"] - (after["engine_undrafted_steps"] - before["engine_undrafted_steps"])
+                if arm == "verispec plain":
+                    r["drafted_steps"] = 0
         finally:
             if arm == "llama-server":
                 proc = servers.pop(arm)[0]
                 proc.terminate()
                 proc.wait()
         rows.append({"arm": arm, "clients": c, "repeat": rep, **r})
-        print(f"{arm:16s} C={c:3d} aggregate {r['aggregate']:7.1f} tok/s  per-user {r['per_user']:6.1f}", flush=True)
+        steps = f"  steps {r['steps']} drafted {r['drafted_steps']}" if "steps" in r else ""
+        print(f"{arm:16s} C={c:3d} aggregate {r['aggregate']:7.1f} tok/s  per-user {r['per_user']:6.1f}{steps}",
+              flush=True)
 
     try:
         for arm, (proc, model) in servers.items():  # warm-up: one request each

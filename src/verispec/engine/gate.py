@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 class DraftGate:
     probe_every: int = 16  # the most often the other choice is retried
     probe_cost: float = 0.05  # the share of time probing may cost (see spacing)
-    decay: float = 0.9  # weight of the past in each choice's token and time averages
+    decay: float = 0.9  # weight of the past in a choice's token and time averages, per step recorded at its load
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     warm: set[tuple[int, bool]] = field(default_factory=set)  # choices whose warm-up step was seen, per bucket
     steps: dict[int, int] = field(default_factory=dict)  # decisions made per load bucket
+    recorded: dict[int, int] = field(default_factory=dict)  # steps recorded per load bucket
+    last: dict[tuple[int, bool], int] = field(default_factory=dict)  # `recorded` at each choice's last record
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -92,8 +94,14 @@ class DraftGate:
         # Tokens and seconds averaged apart, their ratio the rate: averaging each step's rate instead swung with
         # every run of short drafted rounds (1-2 tokens at 200-400 tok/s beside rounds of 6 at 1,400) and flipped
         # the choice back to plain for long stretches.
+        # Aged by the steps recorded at this load since the choice was last seen, not by its own samples: the choice
+        # that is not taken is only seen at probes, and a plain estimate from one slow first step (8 requests
+        # through the server: 3.5x a plain step's time) otherwise kept 35% of its weight after ten probes and
+        # the load drafting, 1.4x slower, for the whole run. A probe weighs at most half (one step is noisy).
         old = self.sums.get(key)
-        d = self.decay
+        n = self.recorded[key[0]] = self.recorded.get(key[0], 0) + 1
+        age, self.last[key] = n - self.last.get(key, n - 1), n
+        d = max(self.decay**age, min(self.decay, 0.5))
         self.sums[key] = (tokens, seconds) if old is None else (d * old[0] + (1 - d) * tokens,
                                                                  d * old[1] + (1 - d) * seconds)
 
