@@ -100,27 +100,35 @@ def engine_counters(port: int) -> dict[str, float]:
     return out
 
 
-def library(texts: list[str], max_tokens: int, threads: int, repeats: int) -> float:
-    """The library's plain decoding, one request at a time, in a process of its own (tokens/s per request)."""
+def library(texts: list[str], max_tokens: int, threads: int, repeats: int) -> dict[str, float]:
+    """The library's own decoding, one request at a time, in a process of its own: tokens/s per request, median
+    over prompts and repeats, for plain decoding and for the DSpark drafter under the dspark policy (k 8), the two
+    interleaved per prompt (the references for "the server at 1 client")."""
     code = f"""
-import statistics, time, torch
-from verispec.config import SamplingParams
+import json, statistics, time, torch
+from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
+from verispec.drafters.base import build_drafter
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
 torch.set_num_threads({threads})
 t = load_model({str(TARGET)!r}, dtype="bf16"); tok = Tokenizer.from_dir({str(TARGET)!r})
+d = build_drafter({"dspark:" + str(DSPARK)!r}, target=t, dtype=t.dtype, device=t.device)
 p = SamplingParams(max_tokens={max_tokens}, temperature=0.0, ignore_eos=True)
+arms = {{"plain": {{}}, "dspark": {{"drafter": d, "spec": SpecConfig(k=8, policy="dspark")}}}}
 texts = {texts!r}
-decode(t, tok.encode(texts[0]), p)
-rates = []
+for kw in arms.values():
+    decode(t, tok.encode(texts[0]), p, **kw)
+rates = {{a: [] for a in arms}}
 for _ in range({repeats}):
     for x in texts:
-        ids = tok.encode(x); t0 = time.perf_counter(); decode(t, ids, p); rates.append({max_tokens} / (time.perf_counter() - t0))
-print(statistics.median(rates))
+        ids = tok.encode(x)
+        for a, kw in arms.items():
+            t0 = time.perf_counter(); decode(t, ids, p, **kw); rates[a].append({max_tokens} / (time.perf_counter() - t0))
+print(json.dumps({{a: statistics.median(r) for a, r in rates.items()}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -180,16 +188,21 @@ def main() -> None:
             proc.terminate()
             proc.wait()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "library_plain": lib}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"rows": rows, "library": lib}, indent=1))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
+    def runs(arm: str) -> str:
+        return ", ".join(f"{x[arm]:.0f}" for x in lib)
+
     out = ["# verispec serve vs llama-server, closed loop over HTTP", "",
            f"Machine: {model}, {args.threads} threads, flags `{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}`;"
            f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
            f"--max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}`.", "",
-           f"Library plain decoding on the same prompts (one request at a time): {statistics.median(lib):.1f} tok/s "
-           f"per request (runs: {', '.join(f'{x:.0f}' for x in lib)}).", "",
+           f"The library on the same prompts (one request at a time, plain and dspark interleaved): plain "
+           f"{statistics.median(x['plain'] for x in lib):.1f} tok/s per request (runs: {runs('plain')}), "
+           f"`dspark:zoo/dspark` with the dspark policy (k 8) {statistics.median(x['dspark'] for x in lib):.1f} "
+           f"(runs: {runs('dspark')}); speedup {statistics.median(x['dspark'] / x['plain'] for x in lib):.2f}x.", "",
            "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
            "|---|" + "---|---|" * len(arms)]
     for c in clients:
@@ -199,6 +212,11 @@ def main() -> None:
             cells += [f"{statistics.median(r['aggregate'] for r in sel):.1f}",
                       f"{statistics.median(r['per_user'] for r in sel):.1f}"]
         out.append(f"| {c} | " + " | ".join(cells) + " |")
+    gated = [r for r in rows if r["arm"] == "verispec dspark" and r.get("steps")]
+    if gated:
+        out += ["", "The dspark server's steps that drafted (its draft gate), per load over all repeats: " + ", ".join(
+            f"{c} clients {sum(r['drafted_steps'] for r in gated if r['clients'] == c):.0f} of "
+            f"{sum(r['steps'] for r in gated if r['clients'] == c):.0f}" for c in clients) + "."]
     (args.out / "summary.md").write_text("\n".join(out) + "\n")
     print("\n".join(out))
 
