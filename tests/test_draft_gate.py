@@ -159,3 +159,15 @@ def test_a_probe_refreshes_an_estimate_that_has_aged():
     fresh.record(8, True, tokens=16, seconds=0.020)
     fresh.record(8, True, tokens=0, seconds=0.020)  # a choice seen every step keeps the plain decay
     assert abs(fresh.sums[(fresh.bucket(8), True)][0] - 0.9 * 16) < 1e-9
+
+
+def test_one_stalled_step_does_not_flip_the_choice():
+    """A step that stalls (a 207 ms plain step among 12 ms ones, 32 requests through the server) counts as at most
+    `clip` average steps: counted whole, it made plain look 2.5x slower and the load drafted."""
+    g = warmed(32, clip=2.0)
+    g.record(32, True, tokens=100, seconds=0.080)  # drafting: 1,250 tokens/s
+    for _ in range(10):
+        g.record(32, False, tokens=32, seconds=0.012)  # plain: 2,667 tokens/s
+    g.record(32, False, tokens=32, seconds=0.207)
+    assert g.rates[(g.bucket(32), False)] > 2000
+    assert g.draft(32) is False
