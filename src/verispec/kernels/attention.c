@@ -7,7 +7,12 @@
  *
  * q: rows of D floats at q + b * qsb + t * qst + h * qsh; k, v: rows at b * ksb + g * ksh + s * kss (the cache's
  * [B, Hkv, S_max, D] layout; k and v share strides); out: contiguous [B, T, H, D]. D must be a multiple of 8.
- * Returns 0, -1 if out of memory, -2 for unsupported shapes. */
+ * Returns 0, -1 if out of memory, -2 for unsupported shapes.
+ *
+ * vs_attention_tree: query t sees keys [0, causal_from) and then the keys tails[t * T + j], j < ntail[t] (a draft
+ * tree's ancestors and itself, ascending), in that order. Those extra keys are read one by one but scored, weighed
+ * and summed in exactly the order a causal query would use if they sat right after the first causal_from keys, so a
+ * tree node's output is bit-identical to the same query's in a chain holding its path (what a one-token step gives). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -88,6 +93,13 @@ static void pv_any(int64_t D, const float *p, const float *v, int64_t kss, int64
     }
 }
 
+/* One key's score in scores8's order (its remainder loop, which equals a full block's lane). */
+static inline float score1(const float *q, const float *k, int64_t D, float scale) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+    return hsum(a) * scale;
+}
+
 #define KEY_CHUNK 32 /* keys of V (8 KB at D = 64) kept in L1 while every query of the group reads them */
 /* Keys (values) prefetched PF_KEYS (KEY_CHUNK) rows ahead of the score (p @ V) loop: a step streams the cache from
  * memory once (9 queries over 609 keys, 8 layers out of cache: 1.89 -> 1.69 ms on a 2-vCPU Zen 3). A prefetch
@@ -104,10 +116,12 @@ static inline void prefetch_rows(const float *rows, int64_t n, int64_t stride) {
 }
 
 /* All nq queries that share one key/value head: scores block by block of keys (each block read once from L2 for
- * every query), then each query's softmax, then p @ V chunk by chunk. n[i]: keys query i sees; qs[i]: its
- * vector; o[i]: its output row; p: nq rows of sp floats. */
-static void group(const float *const *qs, float *const *o, const int64_t *n, int64_t nq, const float *k,
-                  const float *v, int64_t kss, int64_t D, int64_t S, float scale, float *p, int64_t sp) {
+ * every query), then each query's softmax, then p @ V chunk by chunk. n[i]: the first keys query i sees; tail
+ * (NULL for none) and m: tail[i] lists m[i] more keys it sees after them; qs[i]: its vector; o[i]: its output row;
+ * p: nq rows of sp floats. */
+static void group(const float *const *qs, float *const *o, const int64_t *n, const int64_t *const *tail,
+                  const int64_t *m, int64_t nq, const float *k, const float *v, int64_t kss, int64_t D, int64_t S,
+                  float scale, float *p, int64_t sp) {
     int64_t nmax = 0;
     for (int64_t i = 0; i < nq; i++) nmax = n[i] > nmax ? n[i] : nmax;
     for (int64_t s0 = 0; s0 < nmax; s0 += 8) {
@@ -115,9 +129,12 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, int
         for (int64_t i = 0; i < nq; i++)
             if (n[i] > s0) scores8(qs[i], k, kss, D, s0, S, scale, p + i * sp);
     }
+    if (tail) /* after the blocks, which may have written past n[i] */
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t j = 0; j < m[i]; j++) p[i * sp + n[i] + j] = score1(qs[i], k + tail[i][j] * kss, D, scale);
     for (int64_t i = 0; i < nq; i++) {
         float *pi = p + i * sp;
-        const int64_t ni = n[i], n8 = (ni + 7) & ~(int64_t)7;
+        const int64_t ni = n[i] + (tail ? m[i] : 0), n8 = (ni + 7) & ~(int64_t)7;
         __m256 mv = _mm256_set1_ps(-INFINITY);
         int64_t s = 0;
         for (; s + 8 <= ni; s += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(pi + s));
@@ -144,12 +161,24 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, int
         for (int64_t i = 0; i < nq; i++)
             if (n[i] > s0) pv_any(D, p + i * sp, v, kss, s0, n[i] < s0 + KEY_CHUNK ? n[i] : s0 + KEY_CHUNK, o[i]);
     }
+    if (tail) /* the same accumulation, continued key by key */
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t j = 0; j < m[i]; j++) pv_any(D, p + i * sp + n[i] + j, v + tail[i][j] * kss, kss, 0, 1, o[i]);
 }
 
-int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
-                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
-                 float *out, int64_t causal_from, float scale, int threads) {
+static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
+                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
+                  float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail, float scale,
+                  int threads) {
     if (D % 8 != 0 || Hkv <= 0 || H % Hkv != 0) return -2;
+    if (tails) { /* every listed key inside the cache, before anything is read */
+        if (causal_from < 0 || causal_from > S) return -2;
+        for (int64_t t = 0; t < T; t++) {
+            if (ntail[t] < 0 || ntail[t] > T) return -2;
+            for (int64_t j = 0; j < ntail[t]; j++)
+                if (tails[t * T + j] < 0 || tails[t * T + j] >= S) return -2;
+        }
+    }
     const int64_t G = H / Hkv, units = B * Hkv, nq = G * T, sp = (S + 7) & ~(int64_t)7;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
@@ -158,38 +187,65 @@ int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int
         const float **qs = (const float **)malloc((size_t)nq * sizeof(float *));
         float **o = (float **)malloc((size_t)nq * sizeof(float *));
         int64_t *n = (int64_t *)malloc((size_t)nq * sizeof(int64_t));
-        if (!p || !qs || !o || !n) {
+        const int64_t **tl = tails ? (const int64_t **)malloc((size_t)nq * sizeof(int64_t *)) : NULL;
+        int64_t *m = tails ? (int64_t *)malloc((size_t)nq * sizeof(int64_t)) : NULL;
+        const int ok = p && qs && o && n && (!tails || (tl && m));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            if (!p || !qs || !o || !n) continue;
+            if (!ok) continue;
             const int64_t b = u / Hkv, g = u % Hkv;
             int64_t live = 0;
             for (int64_t t = 0; t < T; t++) {
-                int64_t nt = causal_from < 0 ? S : causal_from + t + 1;
+                int64_t nt = tails ? causal_from : causal_from < 0 ? S : causal_from + t + 1;
                 nt = nt > S ? S : nt;
+                const int64_t mt = tails ? ntail[t] : 0;
                 for (int64_t j = 0; j < G; j++) {
                     const int64_t h = g * G + j;
                     float *oi = out + ((b * T + t) * H + h) * D;
-                    if (nt <= 0) { /* no key visible: zeros, where softmax over nothing is undefined */
+                    if (nt + mt <= 0) { /* no key visible: zeros, where softmax over nothing is undefined */
                         for (int64_t d = 0; d < D; d++) oi[d] = 0.0f;
                         continue;
                     }
                     qs[live] = q + b * qsb + t * qst + h * qsh;
                     o[live] = oi;
+                    if (tails) {
+                        tl[live] = tails + t * T;
+                        m[live] = mt;
+                    }
                     n[live++] = nt;
                 }
             }
             for (int64_t c = 0; c < live; c += QCHUNK) /* a prefill's queries a chunk at a time: p stays in L2 */
-                group(qs + c, o + c, n + c, live - c < QCHUNK ? live - c : QCHUNK, k + b * ksb + g * ksh,
-                      v + b * ksb + g * ksh, kss, D, S, scale, p, sp);
+                group(qs + c, o + c, n + c, tails ? tl + c : NULL, tails ? m + c : NULL,
+                      live - c < QCHUNK ? live - c : QCHUNK, k + b * ksb + g * ksh, v + b * ksb + g * ksh, kss, D, S,
+                      scale, p, sp);
         }
         free(p);
         free(qs);
         free(o);
         free(n);
+        free(tl);
+        free(m);
     }
     return failed ? -1 : 0;
+}
+
+int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
+                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
+                 float *out, int64_t causal_from, float scale, int threads) {
+    return attend(q, B, T, H, D, qsb, qst, qsh, k, v, Hkv, S, ksb, ksh, kss, out, causal_from, NULL, NULL, scale,
+                  threads);
+}
+
+int vs_attention_tree(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst,
+                      int64_t qsh, const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh,
+                      int64_t kss, float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail,
+                      float scale, int threads) {
+    if (!tails || !ntail) return -2;
+    return attend(q, B, T, H, D, qsb, qst, qsh, k, v, Hkv, S, ksb, ksh, kss, out, causal_from, tails, ntail, scale,
+                  threads);
 }

@@ -18,7 +18,9 @@
  * The rows of a call are sequences back to back (vs_seq): sequence i's rows sit after its own cache's `cached`
  * entries, at positions first .. first + rows - 1 (first = cached unless the cache dropped rows: a compressed
  * cache keeps its kept keys' positions, so its next position runs ahead of its row count), and attend causally to
- * that cache only. */
+ * that cache only. A draft tree's sequence gives its rows' positions and, per row, the rows it sees (its
+ * ancestors and itself) instead: each row sees the cached entries and those rows, in the order a chain holding its
+ * path would (attention.c's vs_attention_tree), so a node gives what a one-token step at its path gives. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +32,10 @@
 int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
                  float *out, int64_t causal_from, float scale, int threads);
+int vs_attention_tree(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst,
+                      int64_t qsh, const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh,
+                      int64_t kss, float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail,
+                      float scale, int threads);
 
 typedef struct {
     vs_weight qkv, o, gate_up, down;
@@ -54,6 +60,10 @@ typedef struct {
     int64_t first;                   /* the first new token's RoPE position (>= cached) */
     float *k, *v;                    /* layer 0, kv head 0, position 0 of this sequence's cache */
     int64_t layer_stride, head_stride, capacity; /* in floats; positions are head_dim floats apart */
+    /* a draft tree's rows (all NULL for causal rows): positions [rows]; the cache rows row t sees after the cached
+     * entries, tails[t * rows + j] for j < ntail[t], ascending (cached + the row index of each ancestor, itself
+     * last) */
+    const int64_t *pos, *tails, *ntail;
 } vs_seq;
 
 static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
@@ -136,8 +146,15 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
     int64_t total = 0;
     for (int64_t s = 0; s < nseq; s++) {
         if (seqs[s].rows < 0 || seqs[s].cached < 0 || seqs[s].cached + seqs[s].rows > seqs[s].capacity ||
-            seqs[s].first < seqs[s].cached || seqs[s].first + seqs[s].rows > m->max_pos)
+            seqs[s].first < seqs[s].cached || seqs[s].first + seqs[s].rows > m->max_pos ||
+            (seqs[s].pos == NULL) != (seqs[s].tails == NULL) || (seqs[s].tails == NULL) != (seqs[s].ntail == NULL))
             return -2;
+        for (int64_t t = 0; seqs[s].pos && t < seqs[s].rows; t++) {
+            const vs_seq *S = seqs + s;
+            if (S->pos[t] < 0 || S->pos[t] >= m->max_pos || S->ntail[t] < 0 || S->ntail[t] > S->rows) return -2;
+            for (int64_t j = 0; j < S->ntail[t]; j++)
+                if (S->tails[t * S->rows + j] < 0 || S->tails[t * S->rows + j] >= S->cached + S->rows) return -2;
+        }
         total += seqs[s].rows;
     }
     if (total != N) return -2;
@@ -169,8 +186,9 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
     }
     for (int64_t s = 0, r = 0; s < nseq; r += seqs[s].rows, s++)
         for (int64_t t = 0; t < seqs[s].rows; t++) {
-            memcpy(cs + (r + t) * 2 * D, m->cos + (seqs[s].first + t) * D, (size_t)D * sizeof(float));
-            memcpy(cs + (r + t) * 2 * D + D, m->sin + (seqs[s].first + t) * D, (size_t)D * sizeof(float));
+            const int64_t at = seqs[s].pos ? seqs[s].pos[t] : seqs[s].first + t;
+            memcpy(cs + (r + t) * 2 * D, m->cos + at * D, (size_t)D * sizeof(float));
+            memcpy(cs + (r + t) * 2 * D + D, m->sin + at * D, (size_t)D * sizeof(float));
         }
     if (hidden && hidden[0]) store_act(x, N * d, bf16, hidden[0]);
     const int par = N > 32 && threads > 1; /* a prefill's elementwise work is worth the second core */
@@ -202,7 +220,12 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
                     memcpy(vc + at, row + nq + nkv + g * D, (size_t)D * sizeof(float));
                 }
             }
-            if (S->rows &&
+            if (S->rows && S->tails &&
+                (rc = vs_attention_tree(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,
+                                        S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->cached,
+                                        S->tails, S->ntail, 1.0f / sqrtf((float)D), threads)))
+                goto done;
+            if (S->rows && !S->tails &&
                 (rc = vs_attention(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,
                                    S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->cached,
                                    1.0f / sqrtf((float)D), threads)))

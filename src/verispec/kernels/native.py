@@ -117,6 +117,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_linear": (cint, [ptr, cint, i64, i64, i64, ptr, cint, ptr, i64, ptr, cint, cint]),
         "vs_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr,
                                 i64, flt, cint]),
+        "vs_attention_tree": (cint, [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                                     ptr, i64, ptr, ptr, flt, cint]),
         "vs_markov_greedy": (cint, [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]),
         "vs_argmax": (cint, [ptr, cint, i64, i64, i64, ptr]),
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
@@ -498,6 +500,7 @@ def attention(
     k: torch.Tensor,  # [B, Hkv, S, D], v the same, in one layout (a cache's view)
     v: torch.Tensor,
     causal: bool,  # query t sees keys s <= S - T + t (the new tokens after S - T cached ones); else every key
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # tree_rows(mask, S - T): that mask instead
 ) -> torch.Tensor:  # [B, H, T, D], a view of a contiguous [B, T, H, D]
     """softmax(q k^T / sqrt(D)) v with grouped-query heads (H / Hkv queries per key/value head), fp32."""
     lib = _required()
@@ -509,11 +512,16 @@ def attention(
     if k.shape[0] != b or k.shape[3] != d or h % hkv or (causal and t > s):
         raise ValueError(f"native attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)} (causal={causal})")
     out = torch.empty(b, t, h, d, dtype=torch.float32)
-    rc = lib.vs_attention(
-        q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(), hkv, s,
-        k.stride(0), k.stride(1), k.stride(2), out.data_ptr(), s - t if causal else -1, d**-0.5,
-        torch.get_num_threads(),
-    )
+    args = (q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(), hkv, s,
+            k.stride(0), k.stride(1), k.stride(2), out.data_ptr())
+    if tree is not None:
+        tails, ntail = tree
+        if (tails.shape != (t, t) or ntail.shape != (t,) or tails.dtype != torch.int64 or ntail.dtype != torch.int64
+                or not (tails.is_contiguous() and ntail.is_contiguous())):
+            raise ValueError(f"native attention: a tree's rows must be int64 tails [{t}, {t}] and counts [{t}]")
+        rc = lib.vs_attention_tree(*args, s - t, tails.data_ptr(), ntail.data_ptr(), d**-0.5, torch.get_num_threads())
+    else:
+        rc = lib.vs_attention(*args, s - t if causal else -1, d**-0.5, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native attention failed ({rc}): heads {h}/{hkv}, head_dim {d}")
     return out.transpose(1, 2)
@@ -612,7 +620,22 @@ class ModelDesc(ctypes.Structure):  # decoder.c's vs_model
 class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
     _fields_ = [("rows", ctypes.c_int64), ("cached", ctypes.c_int64), ("first", ctypes.c_int64),
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
-                ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("capacity", ctypes.c_int64)]
+                ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("capacity", ctypes.c_int64),
+                ("pos", ctypes.c_void_p), ("tails", ctypes.c_void_p), ("ntail", ctypes.c_void_p)]
+
+
+def tree_rows(mask: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native kernels' form of a non-causal mask over T new rows after `cached` entries ([T, cached + T] bool,
+    True = attend, a draft tree's): (tails [T, T] int64, the cache rows each new row sees after the cached entries,
+    ascending, padded; ntail [T] int64, how many). None where the kernels cannot honour it: a row that does not see
+    every cached entry."""
+    t = mask.shape[0]
+    if mask.dim() != 2 or mask.shape[1] != cached + t or not bool(mask[:, :cached].all()):
+        return None
+    new = mask[:, cached:].cpu()
+    idx = torch.arange(t).expand(t, t)
+    tails = torch.sort(torch.where(new, idx, t), dim=1).values.clamp_max_(t - 1) + cached  # visible rows first
+    return tails.contiguous(), new.sum(1).to(torch.int64)
 
 
 @dataclass(frozen=True)
@@ -685,7 +708,9 @@ class Decoder:
     def forward(
         self,
         tokens: torch.Tensor,  # [N] int64: every sequence's new tokens, back to back
-        caches: list[tuple],  # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows[, first position (default cached)]
+        # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows[, first position (default cached)[, tree]], where tree
+        # is a draft tree's (positions [rows], *tree_rows(mask, cached)) or None for causal rows
+        caches: list[tuple],
         logit_rows: torch.Tensor,  # [M] int64 rows of `tokens` that need logits
         hidden_layers: tuple[int, ...] = (),  # 0 = the embedding, l = decoder layer l's output
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}, in the model's dtype
@@ -699,8 +724,10 @@ class Decoder:
         seqs = (SeqDesc * max(1, len(caches)))()
         rows = 0
         shape = (self.num_layers, self.kv_heads)
+        trees = []  # kept alive until the call returns
         for i, (k, v, cached, count, *rest) in enumerate(caches):
             first = rest[0] if rest else cached
+            tree = rest[1] if len(rest) > 1 else None
             for t in (k, v):
                 _cpu(t, "decoder cache")
             if (k.shape != v.shape or k.stride() != v.stride() or tuple(k.shape[:2]) != shape
@@ -713,7 +740,16 @@ class Decoder:
                 raise ValueError(f"native decoder: cache {i}'s first position {first} is below its {cached} rows")
             if first + count > self.desc.max_pos:
                 raise ValueError(f"native decoder: position {first + count - 1} past the RoPE table")
-            seqs[i] = SeqDesc(count, cached, first, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2])
+            ptrs = (None, None, None)
+            if tree is not None:
+                pos, tails, ntail = (x.to(torch.int64).contiguous() for x in tree)
+                if pos.shape != (count,) or tails.shape != (count, count) or ntail.shape != (count,):
+                    raise ValueError(f"native decoder: sequence {i}'s tree must give positions [{count}], tails "
+                                     f"[{count}, {count}] and counts [{count}]")
+                trees.append((pos, tails, ntail))
+                ptrs = (pos.data_ptr(), tails.data_ptr(), ntail.data_ptr())
+            seqs[i] = SeqDesc(count, cached, first, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2],
+                              *ptrs)
             rows += count
         if rows != n:
             raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")

@@ -96,15 +96,25 @@ class FusedForward:
                        for s in cache.segments)
         return isinstance(cache, KVCache) and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu"
 
+    @staticmethod
+    def tree(positions: torch.Tensor | None, mask: torch.Tensor | None, cache: KVCache) -> tuple | None | bool:
+        """A segment's draft tree in decoder.c's form, (positions [T], tails, ntail) (native.tree_rows); None for
+        causal rows (no mask); False where decoder.c cannot honour the mask (the forward then takes the torch path)."""
+        if mask is None:
+            return None
+        rows = native.tree_rows(mask, cache.length) if positions is not None else None
+        return False if rows is None else (positions.reshape(-1), *rows)
+
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T]
         cache: KVCache,
         hidden_layers: Sequence[int],
         num_logits: int,
+        tree: tuple | None = None,  # FusedForward.tree(...) of a one-sequence draft tree's forward
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [B, num_logits, V], {layer: [B, T, d]}
         bsz, seqlen = tokens.shape
-        caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position) for b in range(bsz)]
+        caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position, tree) for b in range(bsz)]
         rows = torch.arange(seqlen - num_logits, seqlen)
         if bsz > 1:
             rows = (rows[None] + seqlen * torch.arange(bsz)[:, None]).reshape(-1)
@@ -118,9 +128,11 @@ class FusedForward:
         batch: PackedBatch,
         logit_rows: torch.Tensor,  # [M]
         hidden_layers: Sequence[int],
+        trees: Sequence[tuple | None] | None = None,  # per segment FusedForward.tree(...), None for causal rows
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}
-        caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length, s.cache.next_position)
-                  for s in batch.segments]
+        trees = trees or [None] * len(batch.segments)
+        caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length, s.cache.next_position, tree)
+                  for s, tree in zip(batch.segments, trees)]
         out = self.decoder.forward(tokens.contiguous(), caches, logit_rows.to(torch.int64).contiguous(),
                                    tuple(hidden_layers))
         batch.advance()

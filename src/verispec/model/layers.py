@@ -186,9 +186,13 @@ class Attention(nn.Module):
             q = q.to(k.dtype)
         if not causal and mask is None:
             raise ValueError("a non-causal attention needs its mask")
-        # The native kernel knows the causal pattern only: any other mask (a tree's) goes to SDPA.
-        if causal and native.attention_supported(q, k, v):
-            return native.attention(q, k, v, causal=True).to(dtype)
+        if native.attention_supported(q, k, v):
+            if causal:
+                return native.attention(q, k, v, causal=True).to(dtype)
+            # a draft tree's mask, natively where every row sees the whole cache (native.tree_rows), else SDPA
+            tree = native.tree_rows(mask, k.shape[2] - q.shape[2]) if mask.dim() == 2 else None
+            if tree is not None:
+                return native.attention(q, k, v, causal=False, tree=tree).to(dtype)
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)

@@ -122,16 +122,19 @@ class Transformer(nn.Module):
         Returns logits [B, T', V] for the last T' = num_logits positions (all T by default; 0 skips the LM head)
         and {layer: hidden [B, T, d]} for each requested layer, indexed as Hugging Face `hidden_states`:
         0 is the embedding output and l the output of decoder layer l (the last one before the final norm).
-        `attn_mask` (with `positions`) runs a draft tree (cache.tree_mask, cache.tree_positions); the native
-        forward and attention kernels assume a causal mask, so such a forward takes the torch path.
+        `attn_mask` (with `positions`) runs a draft tree (cache.tree_mask, cache.tree_positions), natively where the
+        mask lets every row see the cache (FusedForward.tree), else on the torch path.
         """
         # On CPU, oneDNN's bf16 matmul costs about the same for 1 to 8 rows, while the plain BLAS path is
         # linear in rows but twice as fast for one (measured at 49M: 3.5 / 5.6 / 10.7 ms for 1 / 2 / 4 rows
         # against 7.0 / 7.0 / 7.9). Pick by row count.
-        if (self.fused is not None and positions is None and attn_mask is None and cache is not None
-                and FusedForward.takes(cache) and self.fused.usable()):
-            n = tokens.shape[1] if num_logits is None else num_logits
-            return self.fused.forward(tokens, cache, hidden_layers, n)
+        if (self.fused is not None and (positions is None) == (attn_mask is None) and cache is not None
+                and FusedForward.takes(cache) and self.fused.usable()
+                and (attn_mask is None or tokens.shape[0] == 1)):
+            tree = FusedForward.tree(positions, attn_mask, cache)
+            if tree is not False:
+                n = tokens.shape[1] if num_logits is None else num_logits
+                return self.fused.forward(tokens, cache, hidden_layers, n, tree)
         few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
         with _onednn(enabled=not few_rows):
             return self._forward(tokens, positions, cache, hidden_layers, num_logits, attn_mask)
@@ -169,9 +172,12 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: hidden [N, d]}
         """One forward over a ragged batch, each segment after its own cache's committed entries (see PackedBatch).
         Commits every segment's new tokens to its cache."""
-        # decoder.c knows causal segments only: a batch with a draft tree's segment takes the torch path.
-        if self.fused is not None and all(batch.causal) and FusedForward.takes(batch) and self.fused.usable():
-            return self.fused.forward_packed(tokens, batch, logit_rows, hidden_layers)
+        if self.fused is not None and FusedForward.takes(batch) and self.fused.usable():
+            own = batch.own_positions or (None,) * len(batch.segments)
+            trees = [FusedForward.tree(p, m if p is not None else None, s.cache)
+                     for s, m, p in zip(batch.segments, batch.masks, own)]
+            if all(t is not False for t in trees):  # else a mask decoder.c cannot honour: the torch path
+                return self.fused.forward_packed(tokens, batch, logit_rows, hidden_layers, trees)
         few_rows = tokens.numel() <= 2 and tokens.device.type == "cpu"
         with _onednn(enabled=not few_rows):
             positions = batch.positions(tokens.device)[None]  # [1, N]
