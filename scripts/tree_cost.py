@@ -4,9 +4,9 @@ verify_cost.png).
     python scripts/tree_cost.py --out reports/trees
 
 1. Verify cost per node count: one target forward of an anchor and N draft nodes after `--context` cached
-   positions, N = 1..64, three ways, interleaved, medians: a chain on the native decoder (what chains run), the
+   positions, N = 1..64, four ways, interleaved, medians: a chain on the native decoder (what chains run), the
    same chain on the torch path (explicit positions; separates the path's cost from the mask's) and a 4-ary tree
-   of N nodes (positions and a tree mask: the torch path, since the native kernels decline non-causal masks).
+   of N nodes (positions and a tree mask) on the native decoder and on the torch path.
 2. Chains against trees of every zoo drafter that drafts both (the draft model, EAGLE-3 and MTP with EAGLE-2
    dynamic trees, Medusa with its static tree) and DSpark's chain, on code and prose prompts: arms interleaved per
    prompt, medians over repeats; τ, drafting time per round, speed per output token and end to end against plain,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import time
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NODES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 ZOO = ROOT / "zoo"
 TASKS = ("code_completion", "prose")
+KINDS = ("chain native", "chain torch", "tree native", "tree torch")
 
 
 def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
@@ -86,20 +88,26 @@ def verify_cost(target_dir: Path, dtype: str, context: int, repeats: int) -> lis
         model(x, cache=cache, positions=pos)
         return time.perf_counter() - t0
 
-    def tree(n: int) -> float:
+    def tree(n: int, torch_path: bool) -> float:
         cache.truncate(context)
         parents = four_ary(n)
         x = torch.randint(3, model.config.vocab_size, (1, n + 1), generator=gen)
         pos, mask = tree_positions(context, parents, dev)[None], tree_mask(context, parents, dev)
-        t0 = time.perf_counter()
-        model(x, cache=cache, positions=pos, attn_mask=mask)
-        return time.perf_counter() - t0
+        fused = model.fused
+        if torch_path:
+            model.fused = None
+        try:
+            t0 = time.perf_counter()
+            model(x, cache=cache, positions=pos, attn_mask=mask)
+            return time.perf_counter() - t0
+        finally:
+            model.fused = fused
 
     times: dict[tuple[str, int], list[float]] = {}
     for rep in range(repeats + 1):  # the first pass warms up, untimed
         for n in (0, *NODES):
             for kind, fn in (("chain native", lambda n: chain(n, False)), ("chain torch", lambda n: chain(n, True)),
-                             ("tree torch", tree)):
+                             ("tree native", lambda n: tree(n, False)), ("tree torch", lambda n: tree(n, True))):
                 if n == 0 and kind != "chain native":
                     continue
                 t = fn(n)
@@ -109,7 +117,7 @@ def verify_cost(target_dir: Path, dtype: str, context: int, repeats: int) -> lis
     rows = [{"nodes": 0, "chain native": step * 1e3}]
     for n in NODES:
         rows.append({"nodes": n, **{k: statistics.median(times[(k, n)]) * 1e3
-                                    for k in ("chain native", "chain torch", "tree torch")}})
+                                    for k in KINDS}})
     return rows
 
 
@@ -172,8 +180,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["nodes"] for r in rows[1:]]
-    for k in ("chain native", "chain torch", "tree torch"):
-        ax.plot(xs, [r[k] for r in rows[1:]], marker="o", label=k)
+    for k in KINDS:
+        if k in rows[1]:  # results from before the native tree kernel have no "tree native"
+            ax.plot(xs, [r[k] for r in rows[1:]], marker="o", label=k)
     ax.axhline(rows[0]["chain native"], color="gray", lw=0.8, ls="--", label="one-token step (native)")
     ax.set_xlabel("draft nodes verified (plus the anchor)")
     ax.set_ylabel("ms per target forward")
@@ -183,6 +192,47 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def verify_ms(cost: list[dict], nodes: int, kind: str = "chain native") -> float:
+    """A forward of the anchor and `nodes` draft nodes, ms, interpolated between the measured node counts."""
+    pts = [(0, cost[0]["chain native"])] + [(r["nodes"], r[kind]) for r in cost[1:]]
+    for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+        if n0 <= nodes <= n1:
+            return t0 + (t1 - t0) * (nodes - n0) / (n1 - n0)
+    return pts[-1][1]
+
+
+def bound_section(res: dict) -> list[str]:
+    """Could any tree of the shapes measured reach 1.1x its chain per output token? A round's time modelled as its
+    measured drafting plus the native verify forward of its node count (the verify-cost table), over the tokens it
+    commits: the chain at its measured τ, the tree at the most a tree of depth D can commit (D + 1, every level
+    accepted)."""
+    cost = res["verify_cost"]
+    if "tree native" not in cost[1]:
+        return []
+    L = ["## Could a better-ranked tree pay? An upper bound from the measured costs", "",
+         "A round modelled as its measured drafting time plus the native verify forward of its node count (the table "
+         "above; a tree costs what a chain of as many nodes costs), over the tokens it commits. The chain at its "
+         "measured τ; each tree shape at the most any tree of its depth D can commit, D + 1 (every level accepted, "
+         "whatever the ranking). *bound* is the chain's modelled ms per token over the tree's best case: a tree of "
+         "that shape beats its chain by at most that factor on this CPU.", "",
+         "| task | drafter | chain (k, τ, ms/token) | tree shape (nodes, depth, draft ms) | tree best case ms/token | "
+         "bound |", "|---|---|---|---|---:|---:|"]
+    for task, rows in res["decode"].items():
+        for family in dict.fromkeys(r["drafter"] for r in rows if r["spec"]):
+            mine = [r for r in rows if r["drafter"] == family]
+            chain = next((r for r in mine if " chain" in r["arm"]), None)
+            if chain is None or not chain["tau"]:
+                continue
+            per_token = (chain["draft_ms_per_round"] + verify_ms(cost, chain["k"])) / chain["tau"]
+            for t in (r for r in mine if " tree" in r["arm"]):
+                m = re.search(r"\bd(\d+)", t["arm"])
+                depth = int(m.group(1)) if m else chain["k"]  # Medusa's static tree: one level per head
+                best = (t["draft_ms_per_round"] + verify_ms(cost, t["k"], "tree native")) / (depth + 1)
+                L.append(f"| {task} | {family} | k {chain['k']}, τ {chain['tau']:.2f}, {per_token:.2f} | "
+                         f"{t['k']}, {depth}, {t['draft_ms_per_round']:.2f} | {best:.2f} | {per_token / best:.2f}x |")
+    return L + [""]
 
 
 def write_readme(out: Path, res: dict, command: str) -> None:
@@ -195,14 +245,15 @@ def write_readme(out: Path, res: dict, command: str) -> None:
          f"## Verify cost per node count ({a['dtype']} zoo/target, {a['context']} cached positions, 2 threads)", "",
          "One target forward of the anchor and N draft nodes, median of interleaved repeats, ms. *chain native*: "
          "the causal forward on the native decoder (what chains run on a CPU); *chain torch*: the same rows on the "
-         "torch path (explicit positions), to separate the path's cost from the mask's; *tree torch*: a 4-ary tree "
-         "of N nodes with its tree mask (the native kernels decline non-causal masks, so trees take the torch path).",
-         "", "| nodes | chain native | chain torch | tree torch | tree torch / chain native |",
-         "|---:|---:|---:|---:|---:|",
-         f"| 0 (one-token step) | {by_n[0]['chain native']:.2f} | | | |"]
+         "torch path (explicit positions), to separate the path's cost from the mask's; *tree native*: a 4-ary tree "
+         "of N nodes with its tree mask on the native decoder (what trees run on a CPU); *tree torch*: the same tree "
+         "on the torch path.",
+         "", "| nodes | chain native | chain torch | tree native | tree torch | tree native / chain native |",
+         "|---:|---:|---:|---:|---:|---:|",
+         f"| 0 (one-token step) | {by_n[0]['chain native']:.2f} | | | | |"]
     for r in cost[1:]:
-        L.append(f"| {r['nodes']} | {r['chain native']:.2f} | {r['chain torch']:.2f} | {r['tree torch']:.2f} | "
-                 f"{r['tree torch'] / r['chain native']:.2f}x |")
+        L.append(f"| {r['nodes']} | {r['chain native']:.2f} | {r['chain torch']:.2f} | {r['tree native']:.2f} | "
+                 f"{r['tree torch']:.2f} | {r['tree native'] / r['chain native']:.2f}x |")
     L += ["", "![verify cost](verify_cost.png)", ""]
     goals = []
     for task, rows in res["decode"].items():
@@ -242,16 +293,20 @@ def write_readme(out: Path, res: dict, command: str) -> None:
                          f"at the same draft cost: **{'met' if same and e['tau'] >= d['tau'] else 'not met'}**"
                          f"{'' if same else ' (the costs differ)'}; per output token {e['decode_speedup']:.2f}x "
                          f"against {d['decode_speedup']:.2f}x plain")
+    L += bound_section(res)
     L += ["## Goals (issue 21)", "", "Best tree >= 1.1x the best chain of the same drafter per output token; EAGLE-3 "
           "τ >= DSpark's on code at the same draft cost:", "", *goals, ""]
     L += ["## Does a tree pay here?", "",
           "- On this CPU a verify forward is compute-bound past a few rows: its cost grows with every node "
           "(the native chain of 64 costs "
-          f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step), and trees run on the torch "
-          f"path ({by_n[8]['tree torch'] / by_n[8]['chain native']:.2f}x a native chain's forward at 8 nodes: the "
-          "native kernels decline non-causal masks). Draft trees assume a verify forward whose cost barely grows "
-          "with its rows (a GPU's premise, not measured here). SpecMQuant reports the same finding for low-bit "
-          "targets; the quantized report (reports/quant/) shows the 9-row int4 verify at 2.5-3x a one-token step.",
+          f"{by_n[64]['chain native'] / by_n[0]['chain native']:.1f}x a one-token step). A tree costs what a chain "
+          f"of as many nodes costs on the native decoder ({by_n[8]['tree native'] / by_n[8]['chain native']:.2f}x at "
+          f"8 nodes, {by_n[16]['tree native'] / by_n[16]['chain native']:.2f}x at 16; the torch path took "
+          f"{by_n[8]['tree torch'] / by_n[8]['chain native']:.2f}x at 8), so a tree pays only where its extra nodes "
+          "buy more accepted tokens than as many chain positions would. Draft trees assume a verify forward whose "
+          "cost barely grows with its rows (a GPU's premise, not measured here). SpecMQuant reports the same finding "
+          "for low-bit targets; the quantized report (reports/quant/) shows the 9-row int4 verify at 2.5-3x a "
+          "one-token step.",
           *[line for line in res.get("notes", [])], ""]
     (out / "README.md").write_text("\n".join(L))
 
