@@ -30,7 +30,7 @@ def test_gate_measures_both_then_follows_the_faster_and_probes_the_other():
     g.record(9, False, tokens=9, seconds=0.006)  # plain: 1,500 tokens/s
     picks = [g.draft(12) for _ in range(8)]
     assert picks.count(True) == 2 and picks[1] is True and picks[5] is True  # every 4th decision probes drafting
-    assert g.draft(1) is True  # another load is measured on its own
+    assert g.draft(1) is False  # an unmeasured load starts with the nearest measured one's verdict: plain
     for _ in range(20):  # the text turns easy: drafting pays again and the probes see it
         g.record(10, True, tokens=40, seconds=0.012)
     assert g.draft(10) is True
@@ -171,3 +171,16 @@ def test_one_stalled_step_does_not_flip_the_choice():
     g.record(32, False, tokens=32, seconds=0.207)
     assert g.rates[(g.bucket(32), False)] > 2000
     assert g.draft(32) is False
+
+
+def test_a_load_between_takes_the_nearest_measured_loads_verdict():
+    """A closed loop's tail drains through lighter loads: one next to a load where drafting lost starts plain even
+    where a much lighter load found drafting faster."""
+    g = DraftGate(probe_every=4, probe_cost=0.05)
+    for n, drafted, tokens, seconds in ((1, True, 5, 0.005), (1, False, 1, 0.002),  # 1 request: drafting pays
+                                        (20, True, 60, 0.080), (20, False, 20, 0.010)):  # 16-31: it does not
+        g.record(n, drafted, tokens, seconds)  # the warm-ups
+        g.record(n, drafted, tokens, seconds)
+    assert g.draft(12) is False  # 8-15 requests: nearest is 16-31 (drafting slower): plain first
+    assert g.draft(2) is True  # 2-3 requests: nearest is 1 (drafting faster): measure drafting first
+    assert g.draft(4) is False  # 4-7: equally near 1 and 16-31 (via 2-3, unmeasured): the heavier one's verdict
