@@ -184,3 +184,12 @@ def test_a_load_between_takes_the_nearest_measured_loads_verdict():
     assert g.draft(12) is False  # 8-15 requests: nearest is 16-31 (drafting slower): plain first
     assert g.draft(2) is True  # 2-3 requests: nearest is 1 (drafting faster): measure drafting first
     assert g.draft(4) is False  # 4-7: equally near 1 and 16-31 (via 2-3, unmeasured): the heavier one's verdict
+
+
+def test_drafting_must_beat_plain_by_the_margin():
+    g = warmed(8, margin=1.1)
+    g.record(8, True, tokens=21, seconds=0.020)  # 1,050 tokens/s
+    g.record(8, False, tokens=10, seconds=0.010)  # 1,000 tokens/s: drafting 5% faster, inside the margin
+    assert g.draft(8) is False and g.draft(8, clean=False) is False
+    g.record(8, True, tokens=40, seconds=0.020)  # now well ahead
+    assert g.draft(8) is True
