@@ -122,7 +122,9 @@ class Verified:
     seq_id: int
     num_accepted: int  # leading draft tokens that survived
     committed: list[int]  # tokens committed this round (accepted + recovered/bonus), after stop trimming
-    target_hidden: dict[int, torch.Tensor]  # {layer: [k+1, d]} for the verified positions, if requested
+    # {layer: [r, d]}, if requested: the anchor's and the accepted drafts' rows first (r >= num_accepted + 1), from
+    # a tensor no larger than the round's own forward, so a drafter may keep them without copying
+    target_hidden: dict[int, torch.Tensor]
 
 
 class Drafter(ABC):

@@ -125,9 +125,8 @@ class BlockDrafter(Drafter):
     def accept(self, result: Verified) -> None:
         # Rows of the anchor and the accepted drafts: context for positions anchor_pos .. anchor_pos + accepted,
         # projected by the next proposal (several rounds' rows if prompt lookup drafted in between).
-        # Copies: a view would keep the step's whole [rows, d] hidden outputs alive until the next proposal, every
-        # step's for a request the draft gate keeps plain.
-        keep = {layer: h[: result.num_accepted + 1].clone() for layer, h in result.target_hidden.items()}
+        # Kept as given (Verified: never a view of a whole step's outputs; the engine gathers them compactly).
+        keep = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
         self._pending.setdefault(result.seq_id, []).append(keep)
 
     def context_length(self, seq_id: int) -> int:

@@ -89,9 +89,9 @@ class FeatureDrafter(Drafter):
     def accept(self, result: Verified) -> None:
         # The anchor's and the accepted drafts' rows: positions anchor .. anchor + accepted
         rows = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
-        # a copy where features() is the hidden state itself (MTP on a target of its dtype): a view would keep the
-        # step's whole [rows, d] hidden outputs alive until the next proposal
-        self._pending[result.seq_id].append(self.model.features(rows).clone())
+        # kept as given where features() is the hidden state itself (MTP on a target of its dtype): Verified's rows
+        # are never a view of a whole step's outputs
+        self._pending[result.seq_id].append(self.model.features(rows))
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         # Entries cover positions [0, tokens - 1): keep [0, num_tokens - 1), the last of them pending again (a
