@@ -306,10 +306,10 @@ def test_tree_round_then_compact_equals_the_accepted_path_from_scratch():
 
 
 @torch.inference_mode()  # as at inference: the kernel serves no gradient
-def test_native_attention_never_applies_a_causal_mask_to_a_tree(monkeypatch):
-    """The native kernels know the causal pattern only: a forward with a tree mask must call neither the native
-    forward (decoder.c) nor the native attention (it falls back to SDPA with the mask), while a causal forward on
-    the per-layer path (explicit positions) does call the attention kernel where it is available."""
+def test_native_kernels_never_apply_a_causal_mask_to_a_tree(monkeypatch):
+    """A forward with a tree mask runs the native kernels as a tree, never as a causal forward: decoder.c's whole
+    forward with the tree's rows (explicit positions and the mask), or, on the per-layer path, the attention kernel's
+    tree form; a causal forward on the per-layer path (explicit positions) calls the causal kernel."""
     from verispec.model import layers
 
     calls = []
@@ -318,17 +318,26 @@ def test_native_attention_never_applies_a_causal_mask_to_a_tree(monkeypatch):
     m = tiny_model()
     c = KVCache.for_model(m)
     m(_ids(6, 8), cache=c, num_logits=0)
+    fused_calls = []
+    if m.fused is not None:
+        real_fused = m.fused.forward
+        monkeypatch.setattr(m.fused, "forward", lambda *a, **kw: fused_calls.append(a[4] if len(a) > 4 else
+                                                                                    kw.get("tree")) or real_fused(*a, **kw))
     parents = [-1, -1, 0]
     m(_ids(4, 9), tree_positions(6, parents, m.device)[None], cache=c, attn_mask=tree_mask(6, parents, m.device))
-    assert calls == []
-    fused_calls = []
-    if m.fused is not None:  # decoder.c's whole forward is causal as well: a mask keeps a forward off it
-        real_fused = m.fused.forward
-        monkeypatch.setattr(m.fused, "forward", lambda *a, **kw: fused_calls.append(1) or real_fused(*a, **kw))
-    m(_ids(2, 11), cache=c, attn_mask=tree_mask(10, [-1], m.device))  # default positions: a chain-shaped mask
-    assert calls == [] and fused_calls == []
+    native_forward = m.fused is not None and m.fused.usable()
+    if native_forward:  # decoder.c, as a tree: positions [4], the rows each one sees, their counts
+        assert len(fused_calls) == 1 and fused_calls[0] is not None and fused_calls[0][0].tolist() == [6, 7, 7, 8]
+        assert calls == []
+    fused_calls.clear()
+    calls.clear()
+    m(_ids(2, 11), cache=c, attn_mask=tree_mask(10, [-1], m.device))  # a mask without positions: the per-layer path
+    assert fused_calls == []
+    if layers.native.available():
+        assert calls and all(not kw["causal"] and kw["tree"] is not None for kw in calls)
+    calls.clear()
     m(_ids(1, 12), cache=c)
-    assert fused_calls == ([1] if m.fused is not None and m.fused.usable() else [])
+    assert fused_calls == ([None] if native_forward else [])
     m(_ids(3, 10), torch.arange(13, 16)[None], cache=c)  # explicit positions: the per-layer path
     if layers.native.available():
-        assert calls and all(kw["causal"] for kw in calls)
+        assert calls and all(kw["causal"] and kw.get("tree") is None for kw in calls)
