@@ -8,8 +8,8 @@ drafters, stop checks) -> emit. Per request this is the reference loop (`decode.
 same order, so its output equals `decode`'s whatever else is in the batch.
 
 Chain and tree drafts share a step: a tree's segment of the packed forward carries its own positions and tree mask
-(round.tree_inputs), and its cache keeps the accepted path (round.keep_accepted). A step holding a tree runs the
-torch forward for every row (the native one knows causal masks only). Verification (round.verify_batch): greedy
+(round.tree_inputs), and its cache keeps the accepted path (round.keep_accepted); the native forward runs a tree's
+rows as a tree (model.fused), so a node gets a one-token step's logits. Verification (round.verify_batch): greedy
 chains in one batched call, sampled trees in one per kind of q, greedy trees and sampled chains one by one. The
 dspark policy cuts chains only; a tree is verified whole.
 
