@@ -124,7 +124,9 @@ for _ in range({repeats}):
     for x in texts:
         ids = tok.encode(x)
         for a, kw in arms.items():
-            t0 = time.perf_counter(); decode(t, ids, p, **kw); rates[a].append({max_tokens} / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            decode(t, ids, p, **kw)
+            rates[a].append({max_tokens} / (time.perf_counter() - t0))
 print(json.dumps({{a: statistics.median(r) for a, r in rates.items()}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,7 +8,8 @@ verify_cost.png).
    same chain on the torch path (explicit positions; separates the path's cost from the mask's) and a 4-ary tree
    of N nodes (positions and a tree mask) on the native decoder and on the torch path.
 2. Chains against trees of every zoo drafter that drafts both (the draft model, EAGLE-3 and MTP with EAGLE-2
-   dynamic trees, Medusa with its static tree) and DSpark's chain, on code and prose prompts: arms interleaved per
+   dynamic trees ranked by calibrated q, and at one shape by raw q as EAGLE-2 ranks them, marked "q"; Medusa with
+   its static tree) and DSpark's chain, on code and prose prompts: arms interleaved per
    prompt, medians over repeats; τ, drafting time per round, speed per output token and end to end against plain,
    and whether every output equals plain decoding.
 """
@@ -47,7 +48,9 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
         arms |= {"model chain k=8": (f"model:{d}", 8, "model"),
                  "model tree 8 (w4 d4)": (f"model(path={d}, tree=auto, width=4, depth=4, nodes=8)", 8, "model"),
                  "model tree 16 (w4 d8)": (f"model(path={d}, tree=auto, width=4, depth=8, nodes=16)", 16, "model"),
-                 "model tree 12 (w2 d8)": (f"model(path={d}, tree=auto, width=2, depth=8, nodes=12)", 12, "model")}
+                 "model tree 12 (w2 d8)": (f"model(path={d}, tree=auto, width=2, depth=8, nodes=12)", 12, "model"),
+                 "model tree 12 (w2 d8, q)": (f"model(path={d}, tree=auto, width=2, depth=8, nodes=12, rank=q)", 12,
+                                              "model")}
     for kind, path in (("eagle", e), ("mtp", m)):
         if (path / "config.json").is_file():
             arms |= {f"{kind} chain k=8": (f"{kind}:{path}", 8, kind),
@@ -55,7 +58,9 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
                      f"{kind} tree 16 (w4 d8)": (f"{kind}(path={path}, tree=auto, width=4, depth=8, nodes=16)", 16,
                                                  kind),
                      f"{kind} tree 12 (w2 d8)": (f"{kind}(path={path}, tree=auto, width=2, depth=8, nodes=12)", 12,
-                                                 kind)}
+                                                 kind),
+                     f"{kind} tree 12 (w2 d8, q)": (f"{kind}(path={path}, tree=auto, width=2, depth=8, nodes=12, "
+                                                    "rank=q)", 12, kind)}
     if (md / "config.json").is_file():
         heads = json.loads((md / "config.json").read_text())["medusa"]["num_heads"]
         arms |= {f"medusa chain k={heads}": (f"medusa:{md}", heads, "medusa"),

@@ -238,23 +238,29 @@ def _check_tier(tier: str | None) -> None:
 
 
 TREE_MODES = ("off", "auto")
+TREE_RANKS = ("calibrated", "q")
 
 
 @dataclass(frozen=True)
 class TreeConfig:
     """Dynamic draft trees (EAGLE-2) for a drafter that can give the top-k tokens at a node: at each depth the
-    `width` most probable new nodes (by cumulative draft probability) are expanded with their `width` most probable
-    children, for `depth` levels, and the best `nodes` of them all are verified (never more than the round's budget,
-    SpecConfig.k / EngineConfig.k, so raise k with nodes). Chains are the default."""
+    `width` most valuable new nodes are expanded with their `width` most probable children, for `depth` levels, and
+    the best `nodes` of them all are verified (never more than the round's budget, SpecConfig.k / EngineConfig.k, so
+    raise k with nodes). A node's value is the product along its path of its drafter's q (`rank="q"`, EAGLE-2's) or
+    of q calibrated by past verified trees (`rank="calibrated"`; Medusa's static trees ignore it). Chains are the
+    default."""
 
     mode: str = "off"  # off: chains; auto: a dynamic tree each round (a chain where the budget leaves one node)
     width: int = 4  # children per expanded node, and nodes expanded per depth (EAGLE-2's top_k)
     depth: int = 4  # levels below the anchor
     nodes: int = 16  # nodes kept after reranking (EAGLE-2's total_tokens), at most the round's budget
+    rank: str = "calibrated"  # calibrated (drafters.tree.TreeCalibration) or q
 
     def __post_init__(self) -> None:
         if self.mode not in TREE_MODES:
             raise ConfigError(f"tree must be one of {TREE_MODES}, got {self.mode!r}")
+        if self.rank not in TREE_RANKS:
+            raise ConfigError(f"tree rank must be one of {TREE_RANKS}, got {self.rank!r}")
         for name in ("width", "depth", "nodes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:

@@ -28,7 +28,7 @@ from verispec.drafters.base import (
 from verispec.drafters.block import check_draft_vocab, load_draft_vocab
 from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
 from verispec.drafters.model import TREE_OPTIONS, tree_config
-from verispec.drafters.tree import DynamicTree, frontier_mask, node_q
+from verispec.drafters.tree import DynamicTree, TreeCalibration, frontier_mask, node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
 from verispec.model.packing import PackedWeight, pack
@@ -57,6 +57,7 @@ class FeatureDrafter(Drafter):
         self._entered: dict[int, torch.Tensor] = {}  # per sequence: features [cache.length, d] of its entries
         # (lm_head weight, its draft-vocab rows in the drafter's dtype, their packed copy)
         self._head: tuple[torch.Tensor, torch.Tensor, PackedWeight | None] | None = None
+        self.calibration = TreeCalibration()  # learnt from every verified tree; ranks "calibrated" trees
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, seq_id: int, prompt: list[int]) -> None:
@@ -71,9 +72,10 @@ class FeatureDrafter(Drafter):
         self._caches.pop(seq_id, None)
         self._pending.pop(seq_id, None)
         self._entered.pop(seq_id, None)
+        self.calibration.pending.pop(seq_id, None)
 
     def live_sequences(self) -> set[int]:
-        return set(self._caches) | set(self._pending) | set(self._entered)
+        return set(self._caches) | set(self._pending) | set(self._entered) | set(self.calibration.pending)
 
     def known(self, seq_id: int) -> int:
         """Positions whose target hidden state the drafter holds (entered or pending)."""
@@ -92,6 +94,7 @@ class FeatureDrafter(Drafter):
         # kept as given where features() is the hidden state itself (MTP on a target of its dtype): Verified's rows
         # are never a view of a whole step's outputs
         self._pending[result.seq_id].append(self.model.features(rows))
+        self.calibration.verified(result.seq_id, result.committed)
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         # Entries cover positions [0, tokens - 1): keep [0, num_tokens - 1), the last of them pending again (a
@@ -139,6 +142,7 @@ class FeatureDrafter(Drafter):
                 if i not in chains:
                     r = requests[i]
                     drafts[i] = self._tree(r, states[i], budgets[i], self._caches[r.seq_id], shapes[i])
+                    self.calibration.proposed(r.seq_id, drafts[i])
         finally:
             for i in live:
                 self._caches[requests[i].seq_id].truncate(committed[i])  # draft entries never stay
@@ -229,7 +233,8 @@ class FeatureDrafter(Drafter):
     def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache, shape: TreeConfig) -> Draft:
         """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
         and its own token at position anchor + depth - 1) over the committed entries and its ancestors'."""
-        tree, device = DynamicTree(shape, budget), self.target.device
+        tree = DynamicTree(shape, budget, self.calibration if shape.rank == "calibrated" else None)
+        device = self.target.device
         committed, anchor = cache.length, len(r.tokens) - 1
         state: dict[int, torch.Tensor] = {-1: g}  # node -> output state of its entry (-1: the anchor's)
         row: dict[int, int] = {}  # node -> its cache row
@@ -307,8 +312,8 @@ def _factory(kind: str):
         return load_feature_drafter(path, target, kind, tree, draft_vocab=full == "draft",
                                     context_window=None if window is None else int(window))
 
-    build.__doc__ = (f"`{kind}:DIR` or `{kind}(path=DIR, tree=auto|off, width=W, depth=D, nodes=N, window=W, "
-                     f"vocab=draft|full)`: a trained {kind} drafter for this target.")
+    build.__doc__ = (f"`{kind}:DIR` or `{kind}(path=DIR, tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q, "
+                     f"window=W, vocab=draft|full)`: a trained {kind} drafter for this target.")
     return build
 
 

@@ -13,7 +13,7 @@ from verispec.config import TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.tree import DynamicTree, frontier_mask, node_q
+from verispec.drafters.tree import DynamicTree, TreeCalibration, frontier_mask, node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.transformer import Transformer
@@ -32,6 +32,7 @@ class ModelDrafter(Drafter):
         self.capabilities = Capabilities(trees=tree.enabled, tree_requests=True)
         self._caches: dict[int, KVCache] = {}
         self._round_start: dict[int, int] = {}  # committed length when the last draft was proposed
+        self.calibration = TreeCalibration()  # learnt from every verified tree; ranks "calibrated" trees
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
         self._caches[seq_id] = KVCache.for_model(self.model)
@@ -40,9 +41,10 @@ class ModelDrafter(Drafter):
     def finish(self, seq_id: int) -> None:
         self._caches.pop(seq_id, None)
         self._round_start.pop(seq_id, None)
+        self.calibration.pending.pop(seq_id, None)
 
     def live_sequences(self) -> set[int]:
-        return set(self._caches) | set(self._round_start)
+        return set(self._caches) | set(self._round_start) | set(self.calibration.pending)
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         cache = self._caches[seq_id]  # holds tokens it was fed; the next proposal feeds what follows them
@@ -53,6 +55,7 @@ class ModelDrafter(Drafter):
         # The cache holds the committed tokens plus k - 1 drafted ones; drafts past the accepted prefix go.
         keep = min(self._caches[result.seq_id].length, self._round_start[result.seq_id] + result.num_accepted)
         self._caches[result.seq_id].truncate(keep)
+        self.calibration.verified(result.seq_id, result.committed)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -118,7 +121,8 @@ class ModelDrafter(Drafter):
             budget = max(0, min(r.budget, shapes[i].nodes, cache.max_len - len(r.tokens)))
             if budget > 0:
                 self._round_start[r.seq_id] = len(r.tokens)
-                trees[i], rows[i], committed[i] = DynamicTree(shapes[i], budget), {}, len(r.tokens)
+                calibration = self.calibration if shapes[i].rank == "calibrated" else None
+                trees[i], rows[i], committed[i] = DynamicTree(shapes[i], budget, calibration), {}, len(r.tokens)
                 live.append(i)
                 pending.append(r.tokens[cache.length :])
         frontier: dict[int, list[int]] = {i: [-1] for i in live}
@@ -145,7 +149,10 @@ class ModelDrafter(Drafter):
                 start += f
         for i in trees:
             self._caches[requests[i].seq_id].truncate(committed[i])  # drop the tree rows
-        return [trees[i].draft() if i in trees else EMPTY_DRAFT for i in range(len(requests))]
+        drafts = [trees[i].draft() if i in trees else EMPTY_DRAFT for i in range(len(requests))]
+        for r, d in zip(requests, drafts):
+            self.calibration.proposed(r.seq_id, d)
+        return drafts
 
     def _room(self, request: DraftRequest, rows: int) -> bool:
         cache = self._caches[request.seq_id]
@@ -184,7 +191,7 @@ def _bench_spec(zoo: Path) -> str | None:
     return f"model:{zoo / 'drafter'}" if (zoo / "drafter" / "config.json").is_file() else None
 
 
-TREE_OPTIONS = ("tree", "width", "depth", "nodes")
+TREE_OPTIONS = ("tree", "width", "depth", "nodes", "rank")
 
 
 def tree_config(options: dict[str, str], who: str) -> TreeConfig:
@@ -193,7 +200,9 @@ def tree_config(options: dict[str, str], who: str) -> TreeConfig:
     values: dict[str, object] = {}
     if "tree" in options:
         values["mode"] = options.pop("tree")
-    for key in TREE_OPTIONS[1:]:
+    if "rank" in options:
+        values["rank"] = options.pop("rank")
+    for key in ("width", "depth", "nodes"):
         if key in options:
             try:
                 values[key] = int(options.pop(key))
@@ -206,7 +215,8 @@ def tree_config(options: dict[str, str], who: str) -> TreeConfig:
 def _build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
            options: dict[str, str] | None = None) -> ModelDrafter:
     """`model:DIR` loads a checkpoint directory; plain `model` drafts with the target itself (self-draft).
-    Structured: `model(path=DIR, tree=auto|off, width=W, depth=D, nodes=N)` (TreeConfig; no path = self-draft)."""
+    Structured: `model(path=DIR, tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q)` (TreeConfig; no
+    path = self-draft)."""
     opts = dict(options or {})
     path = opts.pop("path", None) or arg
     tree = tree_config(opts, "model")

@@ -2,10 +2,12 @@
 that can give the draft distribution q of the next token at a node (a draft model, EAGLE, MTP, Medusa heads).
 
 Each node's value is the product of q along its path (EAGLE-2's V, its stand-in for the probability the node is
-accepted). The tree grows one depth at a time: the `width` new nodes of highest value are expanded with their
-`width` most probable children each; after `depth` levels every node is reranked by value and the best `nodes` are
-verified. A value never exceeds its parent's, so that best set is a connected tree (ties go to the shallower,
-then the earlier node, so a parent always ranks before its children).
+accepted), or of calibrated q (TreeCalibration: how often nodes like it were accepted once their parent was), which
+a drafter whose q is under-confident needs for its tree to reach the depth its chain does. The tree grows one depth
+at a time: the `width` new nodes of highest value are expanded with their `width` most probable children each;
+after `depth` levels every node is reranked by value and the best `nodes` are verified. A value never exceeds its
+parent's, so that best set is a connected tree (ties go to the shallower, then the earlier node, so a parent always
+ranks before its children).
 
 Children are chosen, not sampled: the draft carries point masses (q = None), which recursive rejection sampling
 verifies losslessly (verify.rejection_tree_verify), and each node's q(x) as its confidence.
@@ -28,6 +30,63 @@ def node_q(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [F,
     return logits.float().softmax(dim=-1) if params.greedy else probs_for(logits, params)
 
 
+class TreeCalibration:
+    """Online P(a node is accepted | its parent was), by the node's q and its rank among its siblings, learnt from
+    verified trees: EAGLE-2's values multiply q, which for the zoo's EAGLE-3 and MTP drafters is far below their
+    top-1 tokens' acceptance (their chains of 8 commit 6.9-7.25 tokens a round), so the deep nodes of the likely path
+    lost to siblings near the root and the trees stayed shallow (reports/trees). Ranking only: which nodes are
+    drafted never changes what verification accepts."""
+
+    def __init__(self, bins: int = 10, ranks: int = 3, strength: float = 4.0) -> None:
+        self.bins, self.ranks, self.strength = bins, ranks, strength
+        self.reached = torch.zeros(ranks, bins, dtype=torch.float64)
+        self.accepted = torch.zeros(ranks, bins, dtype=torch.float64)
+        self.pending: dict[int, Draft] = {}  # per sequence: its last tree, until its round is verified
+
+    def proposed(self, seq_id: int, draft: Draft) -> None:
+        """A drafter's tree for a sequence, to learn from once verified (`verified`)."""
+        if not draft.is_chain:
+            self.pending[seq_id] = draft
+
+    def verified(self, seq_id: int, committed: list[int]) -> None:
+        """The tokens the sequence's round committed: learn from its last tree, if it drafted one."""
+        draft = self.pending.pop(seq_id, None)
+        if draft is not None:
+            self.learn(draft, committed)
+
+    def _cell(self, q: float, rank: int) -> tuple[int, int]:
+        return min(rank, self.ranks - 1), min(int(q * self.bins), self.bins - 1)
+
+    def __call__(self, q: float, rank: int) -> float:
+        """Calibrated acceptance of a node with draft probability q, the rank-th most probable of its siblings:
+        the past acceptance of its cell, shrunk toward q while the cell has few observations."""
+        r, b = self._cell(q, rank)
+        return float((self.accepted[r, b] + self.strength * q) / (self.reached[r, b] + self.strength))
+
+    def learn(self, draft: Draft, committed: list[int]) -> None:
+        """One verified tree: from the anchor down the accepted path, every child of a reached node was reached,
+        and the one whose token the target committed was accepted."""
+        if draft.is_chain or draft.confidence is None:
+            return
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(draft.parents or ()):
+            children.setdefault(parent, []).append(i)
+        q = draft.confidence.tolist()
+        node = -1
+        for token in committed:
+            kids = sorted(children.get(node, []), key=lambda i: -q[i])
+            match = None
+            for rank, i in enumerate(kids):
+                cell = self._cell(q[i], rank)
+                self.reached[cell] += 1
+                if draft.tokens[i] == token and match is None:
+                    self.accepted[cell] += 1
+                    match = i
+            if match is None:
+                return
+            node = match
+
+
 @dataclass(frozen=True)
 class TreeNode:
     token: int
@@ -42,8 +101,9 @@ class DynamicTree:
     the last frontier, -1 = the anchor) with running its model over the frontier `grow` returns, then calls
     `draft()`."""
 
-    def __init__(self, config: TreeConfig, max_nodes: int) -> None:
+    def __init__(self, config: TreeConfig, max_nodes: int, calibration: TreeCalibration | None = None) -> None:
         self.width, self.max_depth, self.max_nodes = config.width, config.depth, max_nodes
+        self.calibration = calibration  # values multiply calibrated q where given (see TreeCalibration)
         self.nodes: list[TreeNode] = []
 
     def grow(
@@ -57,9 +117,10 @@ class DynamicTree:
         new, depth = [], 0
         for parent, ps, xs in zip(frontier, top_p.tolist(), top_x.tolist()):
             base, depth = (1.0, 1) if parent < 0 else (self.nodes[parent].value, self.nodes[parent].depth + 1)
-            for p, x in zip(ps, xs):
+            for rank, (p, x) in enumerate(zip(ps, xs)):
                 if p > 0:  # a token q rules out is never worth verifying
-                    self.nodes.append(TreeNode(x, parent, depth, base * p, p))
+                    c = p if self.calibration is None else self.calibration(p, rank)
+                    self.nodes.append(TreeNode(x, parent, depth, base * c, p))
                     new.append(len(self.nodes) - 1)
         if depth >= self.max_depth or not new:
             return []

@@ -1,0 +1,83 @@
+"""drafters.tree.TreeCalibration: dynamic trees ranked by how often nodes like each were accepted, not by raw q."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from verispec.config import SamplingParams, SpecConfig, TreeConfig
+from verispec.decode import decode
+from verispec.drafters import Draft, ModelDrafter, build_drafter
+from verispec.drafters.tree import DynamicTree, TreeCalibration
+from verispec.errors import ConfigError
+
+
+def test_learn_walks_the_accepted_path_and_counts_every_reached_child():
+    cal = TreeCalibration(bins=10, ranks=3, strength=4.0)
+    # anchor -> a (q .65), b (q .25); a -> c (q .55), d (q .15)
+    draft = Draft([10, 11, 12, 13], confidence=torch.tensor([0.65, 0.25, 0.55, 0.15]), parents=(-1, -1, 0, 0))
+    cal.learn(draft, [10, 13, 99])  # a accepted, then d (the second child), then a bonus token past the tree
+    reached = {(r, b): v for (r, b), v in zip(
+        [(r, b) for r in range(3) for b in range(10)], cal.reached.flatten().tolist()) if v}
+    accepted = {(r, b): v for (r, b), v in zip(
+        [(r, b) for r in range(3) for b in range(10)], cal.accepted.flatten().tolist()) if v}
+    assert reached == {(0, 6): 1, (1, 2): 1, (0, 5): 1, (1, 1): 1}
+    assert accepted == {(0, 6): 1, (1, 1): 1}
+    cal.learn(draft, [7, 8])  # the first level rejected: its two children reached, nothing accepted
+    assert cal.reached[0, 6] == 2 and cal.accepted[0, 6] == 1
+    assert cal(0.65, 0) == pytest.approx((1 + 4 * 0.65) / (2 + 4))  # shrunk toward q while the cell is thin
+    cal.learn(Draft.chain([1, 2]), [1, 2])  # chains teach nothing
+    assert cal.reached.sum() == 6
+
+
+def _grow(tree: DynamicTree, vocab: int = 16) -> Draft:
+    """Every node's next-token distribution: token (depth) with q 0.5, the next with 0.3, the rest spread."""
+    frontier = [-1]
+    while frontier:
+        probs = torch.full((len(frontier), vocab), 0.2 / (vocab - 2))
+        for f, node in enumerate(frontier):
+            depth = 0 if node < 0 else tree.nodes[node].depth
+            probs[f, depth % vocab], probs[f, (depth + 1) % vocab] = 0.5, 0.3
+        frontier = tree.grow(frontier, probs)
+    return tree.draft()
+
+
+def test_a_calibrated_tree_follows_the_path_that_is_accepted():
+    """Raw q (0.5 for the top token) values a depth-6 node at 0.016, below a sibling at the root (0.3): the tree
+    stays shallow. Calibrated by verified trees where the top token was always accepted and its siblings never,
+    the same distributions give the top path's full depth."""
+    shape = TreeConfig("auto", width=2, depth=6, nodes=8)
+    plain = _grow(DynamicTree(shape, 8))
+    cal = TreeCalibration()
+    for _ in range(50):
+        d = _grow(DynamicTree(shape, 8, cal))
+        # the target commits the top token at each depth: 0, 1, 2, ...
+        cal.learn(d, list(range(7)))
+    calibrated = _grow(DynamicTree(shape, 8, cal))
+    assert plain.depth < 6 and calibrated.depth == 6
+    assert calibrated.tokens[: 1] == [0]
+
+
+def test_rank_is_a_tree_option_and_rejects_unknown_values():
+    assert TreeConfig().rank == "calibrated"
+    with pytest.raises(ConfigError, match="rank"):
+        TreeConfig("auto", rank="best")
+    target = tiny_model(0, 0.2)
+    drafter = build_drafter("model(tree=auto, width=2, depth=3, nodes=6, rank=q)", target=target,
+                            dtype=target.dtype, device=target.device)
+    assert drafter.tree.rank == "q"
+
+
+@pytest.mark.parametrize("rank", ["calibrated", "q"])
+def test_greedy_trees_under_either_ranking_equal_plain(rank):
+    target, other = tiny_model(0, 0.2), tiny_model(5, 0.2)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = [5, 17, 3, 44, 9, 60, 2]
+    plain = decode(target, prompt, params).token_ids
+    drafter = ModelDrafter(other, TreeConfig("auto", width=2, depth=4, nodes=6, rank=rank))
+    for _ in range(2):  # the second run ranks with what the first one learnt
+        out = decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=6))
+        assert out.token_ids == plain
+    if rank == "calibrated":
+        assert drafter.calibration.reached.sum() > 0
