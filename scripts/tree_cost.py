@@ -222,7 +222,7 @@ def bound_section(res: dict) -> list[str]:
          "measured τ; each tree shape at the most any tree of its depth D can commit, D + 1 (every level accepted, "
          "whatever the ranking). *bound* is the chain's modelled ms per token over the tree's best case: a tree of "
          "that shape beats its chain by at most that factor on this CPU.", "",
-         "| task | drafter | chain (k, τ, ms/token) | tree shape (nodes, depth, draft ms) | tree best case ms/token | "
+         "| task | drafter | chain (k, τ, ms/token) | tree arm: nodes, depth, draft ms | tree best case ms/token | "
          "bound |", "|---|---|---|---|---:|---:|"]
     for task, rows in res["decode"].items():
         for family in dict.fromkeys(r["drafter"] for r in rows if r["spec"]):
@@ -236,7 +236,8 @@ def bound_section(res: dict) -> list[str]:
                 depth = int(m.group(1)) if m else chain["k"]  # Medusa's static tree: one level per head
                 best = (t["draft_ms_per_round"] + verify_ms(cost, t["k"], "tree native")) / (depth + 1)
                 L.append(f"| {task} | {family} | k {chain['k']}, τ {chain['tau']:.2f}, {per_token:.2f} | "
-                         f"{t['k']}, {depth}, {t['draft_ms_per_round']:.2f} | {best:.2f} | {per_token / best:.2f}x |")
+                         f"{t['arm']}: {t['k']}, {depth}, {t['draft_ms_per_round']:.2f} | {best:.2f} | "
+                         f"{per_token / best:.2f}x |")
     return L + [""]
 
 
