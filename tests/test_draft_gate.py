@@ -140,7 +140,7 @@ def test_a_heavier_load_measures_drafting_first_where_a_lighter_one_found_it_fas
 
 def test_a_probe_refreshes_an_estimate_that_has_aged():
     """The choice not taken is seen only at probes; its estimate ages with the steps recorded at its load, so one slow
-    first step does not decide the load for the rest of the run (a plain step 3.5x slow kept 8 requests drafting)."""
+    first step does not decide the load for the rest of the run."""
     g = warmed(8, probe_every=16, probe_cost=0.05, decay=0.9)
     g.record(8, True, tokens=16, seconds=0.020)  # drafting: 800 tokens/s
     g.record(8, False, tokens=8, seconds=0.014)  # plain's first step, slow: 571 tokens/s (it is 2,000)
@@ -163,7 +163,7 @@ def test_a_probe_refreshes_an_estimate_that_has_aged():
 
 def test_one_stalled_step_does_not_flip_the_choice():
     """A step that stalls (a 207 ms plain step among 12 ms ones, 32 requests through the server) counts as at most
-    `clip` average steps: counted whole, it made plain look 2.5x slower and the load drafted."""
+    `clip` average steps: counted whole, it makes plain's average 2.5x slower, enough to flip the choice."""
     g = warmed(32, clip=2.0)
     g.record(32, True, tokens=100, seconds=0.080)  # drafting: 1,250 tokens/s
     for _ in range(10):

@@ -30,7 +30,7 @@ class DraftGate:
     probe_every: int = 16  # the most often the other choice is retried
     probe_cost: float = 0.05  # the share of time probing may cost (see spacing)
     # Drafting must beat plain by this factor to be chosen: plain is the safe choice, and single early steps are
-    # noisy (8 requests through the server drafted a third of their steps at 0.77x plain on a lucky first sample)
+    # noisy (8 clients through the server once drafted a third of their steps at 0.77x plain)
     margin: float = 1.1
     clip: float = 2.0  # a recorded step counts at most this many times its choice's average step time
     decay: float = 0.9  # weight of the past in a choice's token and time averages, per step recorded at its load
@@ -103,13 +103,14 @@ class DraftGate:
         # every run of short drafted rounds (1-2 tokens at 200-400 tok/s beside rounds of 6 at 1,400) and flipped
         # the choice back to plain for long stretches.
         # Aged by the steps recorded at this load since the choice was last seen, not by its own samples: the choice
-        # that is not taken is only seen at probes, and a plain estimate from one slow first step (8 requests
-        # through the server: 3.5x a plain step's time) otherwise kept 35% of its weight after ten probes and
-        # the load drafting, 1.4x slower, for the whole run. A probe weighs at most half (one step is noisy).
+        # that is not taken is only seen at probes, and with per-sample decay a bad first sample kept 35% of its
+        # weight after ten probes (160+ steps). Through the server, 8 clients drafted 138 of 178 steps at 0.81x
+        # plain in one run, a stale estimate the likely cause. A probe weighs at most half (one step is noisy).
         old = self.sums.get(key)
         if old is not None:
             # One stalled step (a 207 ms plain step among 12 ms ones, 32 requests through the server) is held to
-            # `clip` times the average: counted whole, it made plain look 2.5x slower and the load drafted.
+            # `clip` times the average: counted whole, it makes plain's average 2.5x slower, enough to flip the
+            # choice (that server drafted the next three steps at that load).
             seconds = min(seconds, self.clip * old[1])
         n = self.recorded[key[0]] = self.recorded.get(key[0], 0) + 1
         age, self.last[key] = n - self.last.get(key, n - 1), n
