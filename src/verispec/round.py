@@ -88,6 +88,12 @@ def keep_accepted(cache: KVCache, draft: Draft, verdict: Verdict, num_committed:
     cache.compact([*range(pending), *(pending + i for i in verdict.path)])
 
 
+def accepted_rows(verdict: Verdict) -> list[int]:
+    """The rows of a round's forward (0 the anchor, i + 1 draft node i) on the path it committed, chain or tree:
+    the anchor and the accepted nodes, in order."""
+    return [0, *(i + 1 for i in verdict.path)]
+
+
 def path_rows(
     hidden: dict[int, torch.Tensor], draft: Draft, verdict: Verdict  # {layer: [k+1, d]} the round's rows
 ) -> dict[int, torch.Tensor]:  # {layer: [k+1, d]} for a chain, [a+1, d] for a tree
@@ -95,7 +101,7 @@ def path_rows(
     tree's anchor and accepted path, which is the chain the round committed."""
     if draft.is_chain or not hidden:
         return hidden
-    rows = [0, *(i + 1 for i in verdict.path)]
+    rows = accepted_rows(verdict)
     return {layer: h[rows] for layer, h in hidden.items()}
 
 

@@ -85,7 +85,8 @@ class FeatureDrafter(Drafter):
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         if start != self.known(seq_id):
             raise ValueError(f"{self.name} drafter holds {self.known(seq_id)} positions, new rows start at {start}")
-        self._pending[seq_id].append(self.model.features(hidden).clone())  # a copy: see accept
+        # a copy: the prompt's rows are views of a whole prefill forward's outputs
+        self._pending[seq_id].append(self.model.features(hidden).clone())
 
     @torch.inference_mode()
     def accept(self, result: Verified) -> None:

@@ -51,7 +51,8 @@ from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
 from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, learn_from_proposals
 from verispec.profile import StepProfile, load_or_measure
-from verispec.round import Verdict, check_draft, keep_accepted, lend_cache, tree_inputs, verify_batch
+from verispec.round import (Verdict, accepted_rows, check_draft, keep_accepted, lend_cache, tree_inputs,
+                            verify_batch)
 from verispec.sampling import make_generator
 from verispec.stopping import StopChecker
 from verispec.threads import release_openmp_threads
@@ -507,7 +508,7 @@ class Engine:
         rounds: list[_Round], verdicts: list[Verdict], hidden: dict[int, torch.Tensor],  # {layer: [N, d]} the step's
         logit_rows: list[int],
     ) -> list[dict[int, torch.Tensor]]:  # per round {layer: [accepted + 1, d]} ({} without a drafter)
-        """Each drafting request's anchor and accepted rows of the target's hidden states (round.path_rows), gathered
+        """Each drafting request's anchor and accepted rows of the target's hidden states (round.accepted_rows), gathered
         once per layer into one compact copy whose slices the drafters keep: no view of the step's whole outputs
         stays alive, and no request pays a copy of its own (3 copies a request a step were ~2% of a 32-request step)."""
         index: list[int] = []
@@ -516,10 +517,9 @@ class Engine:
             if rnd.req.drafter is None or not hidden:
                 spans.append(None)
                 continue
-            first = logit_rows[rnd.rows]
-            path = range(1, verdict.num_accepted + 1) if rnd.draft.is_chain else [1 + i for i in verdict.path]
-            spans.append((len(index), len(index) + 1 + len(path)))
-            index += [first, *(first + j for j in path)]
+            first, rows = logit_rows[rnd.rows], accepted_rows(verdict)
+            spans.append((len(index), len(index) + len(rows)))
+            index += [first + j for j in rows]
         if not index:
             return [{}] * len(rounds)
         at = torch.tensor(index, device=next(iter(hidden.values())).device)
