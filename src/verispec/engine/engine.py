@@ -508,9 +508,10 @@ class Engine:
         rounds: list[_Round], verdicts: list[Verdict], hidden: dict[int, torch.Tensor],  # {layer: [N, d]} the step's
         logit_rows: list[int],
     ) -> list[dict[int, torch.Tensor]]:  # per round {layer: [accepted + 1, d]} ({} without a drafter)
-        """Each drafting request's anchor and accepted rows of the target's hidden states (round.accepted_rows), gathered
-        once per layer into one compact copy whose slices the drafters keep: no view of the step's whole outputs
-        stays alive, and no request pays a copy of its own (3 copies a request a step were ~2% of a 32-request step)."""
+        """Each drafting request's anchor and accepted rows of the target's hidden states (round.accepted_rows),
+        gathered once per layer into one compact copy whose slices the drafters keep: no view of the step's whole
+        outputs stays alive, and no request pays a copy of its own (3 copies a request a step were ~2% of a
+        32-request step: /tmp carry A/B in the session note of stop 33)."""
         index: list[int] = []
         spans: list[tuple[int, int] | None] = []
         for rnd, verdict in zip(rounds, verdicts):
