@@ -58,3 +58,39 @@ def test_start_releases_the_callers_openmp_workers(monkeypatch):
     aeng = AsyncEngine(Engine(tiny_model(3), None, EngineConfig(drafter=None))).start()
     aeng.shutdown()
     assert calls == [1]
+
+
+def test_a_steps_outputs_cross_to_the_event_loop_in_one_call_and_final_only_gets_one_output(tokenizer):
+    """Every wake-up of the event loop's thread takes a CPU from the forward on 2 cores: a step hands all its
+    outputs over at once, and a final_only request (a non-streaming response) is woken once, with exactly the
+    tokens and text a streaming request sees over all its outputs."""
+    target = tiny_model(3, vocab_size=320)
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    prompts = [list(range(5, 25)), list(range(30, 41)), list(range(7, 19))]
+    engine = Engine(target, tokenizer, EngineConfig(drafter=None))
+    aeng = AsyncEngine(engine).start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        handovers = []
+        call = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: handovers.append(a) or call(*a)  # type: ignore[method-assign]
+        streams = [aeng.submit(p, params, RequestSpec()) for p in prompts[:2]]
+        final = aeng.submit(prompts[2], params, RequestSpec(), final_only=True)
+        got = []
+        for rid, queue in [*streams, final]:
+            got.append([o async for o in aeng.stream(rid, queue)])
+        return got, handovers
+
+    try:
+        (a, b, c), handovers = asyncio.run(run())
+    finally:
+        aeng.shutdown()
+    for outs, prompt in zip((a, b, c), prompts):
+        assert outs[-1].result.token_ids == decode(target, prompt, params).token_ids
+    assert len(a) > 2 and len(c) == 1  # streaming: one output a step; final_only: one in all
+    assert c[0].token_ids == c[0].result.token_ids and c[0].text == c[0].result.text
+    assert [t for o in a for t in o.token_ids] == a[-1].result.token_ids
+    assert "".join(o.text for o in a) == a[-1].result.text
+    # one hand-over per step for all three requests, not one per output
+    assert len(handovers) <= max(len(a), len(b)) + 1 < len(a) + len(b) + len(c)

@@ -3,6 +3,10 @@
 The loop thread owns the engine and runs `step` while there is work; callers add and abort from the event loop.
 Each request's outputs reach its own asyncio queue. Leaving `generate` early (a client disconnect, `aclose()`,
 task cancellation) aborts the request and frees its cache at the next step.
+
+A step's outputs cross to each event loop in one call: on 2 cores every wake-up of the event loop's thread takes a
+CPU from the forward's OpenMP workers. A request submitted `final_only` (a non-streaming response) is woken once,
+when it finishes, with everything it emitted.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from verispec.config import RequestSpec, SamplingParams
 from verispec.engine.engine import Engine
@@ -42,17 +47,45 @@ def release_free_memory() -> bool:
     return bool(trim is not None and trim(0) >= 0)
 
 
+@dataclass
+class _Sink:
+    """Where a request's outputs go: its caller's event loop and queue."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    final_only: bool = False  # deliver one output when it finishes, holding the tokens and text of every step
+    tokens: list[int] = field(default_factory=list)  # held back so far (final_only)
+    text: list[str] = field(default_factory=list)
+
+    def take(self, out: RequestOutput) -> RequestOutput | None:
+        """What to deliver for `out` now (None: hold it back)."""
+        if not self.final_only:
+            return out
+        if not out.finished:
+            self.tokens += out.token_ids
+            self.text.append(out.text)
+            return None
+        if not self.tokens and not self.text:
+            return out
+        return RequestOutput(out.request_id, self.tokens + out.token_ids, "".join(self.text) + out.text, out.result)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, trim_when_idle: bool = True) -> None:
         self.engine = engine
         self.trim_when_idle = trim_when_idle  # release_free_memory() each time the engine runs out of work
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._sinks_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None  # set if the loop died
         self.last_step_s = 0.0  # wall time of the last step (for health)
-        engine.on_output = self._deliver
+        engine.on_outputs = self._deliver
         self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
 
     def start(self) -> AsyncEngine:
@@ -94,25 +127,39 @@ class AsyncEngine:
 
     def _fail_waiting(self, error: BaseException) -> None:
         with self._sinks_lock:
-            sinks = list(self._sinks.items())
-        for _rid, (loop, queue) in sinks:
-            with contextlib.suppress(RuntimeError):  # that caller's event loop is already closed
-                loop.call_soon_threadsafe(queue.put_nowait, error)
+            sinks = list(self._sinks.values())
+        self._send([(sink, error) for sink in sinks])
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, to their callers' queues: one hand-over per event loop."""
+        ready: list[tuple[_Sink, object]] = []
         with self._sinks_lock:
-            sink = self._sinks.get(out.request_id)
-            if out.finished:
-                self._sinks.pop(out.request_id, None)
-        if sink is not None:
-            loop, queue = sink
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finished:
+                    del self._sinks[out.request_id]
+                item = sink.take(out)
+                if item is not None:
+                    ready.append((sink, item))
+        self._send(ready)
+
+    @staticmethod
+    def _send(items: list[tuple[_Sink, object]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for sink, item in items:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is already closed
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def submit(
         self, prompt: list[int], params: SamplingParams, spec: RequestSpec = RequestSpec(),
-        request_id: str | None = None,
+        request_id: str | None = None, final_only: bool = False,
     ) -> tuple[str, asyncio.Queue]:
-        """Queue a request (raises ConfigError / QueueFull at once) and return its id and output queue."""
+        """Queue a request (raises ConfigError / QueueFull at once) and return its id and output queue; with
+        `final_only` the queue gets one output, when the request finishes, holding all its tokens and text."""
         if self.error is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.error!r}")
         if self._stop.is_set():  # queued on a stopped loop, the request would wait forever
@@ -121,7 +168,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         rid = request_id or f"req-{uuid.uuid4().hex}"
         with self._sinks_lock:  # registered first: the loop thread may emit before add_request returns
-            self._sinks[rid] = (loop, queue)
+            self._sinks[rid] = _Sink(loop, queue, final_only)
         try:
             self.engine.add_request(prompt, params, spec, rid)
         except BaseException:

@@ -121,7 +121,8 @@ class Engine:
         self._ids = itertools.count()
         # seq_id -> every Request object not yet collected (weakly: the check in check_idle)
         self._alive: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
-        self.on_output: Callable[[RequestOutput], None] | None = None
+        # Called once per step with all of that step's outputs (one hand-over per step, not one per request).
+        self.on_outputs: Callable[[list[RequestOutput]], None] | None = None
         # The thread that runs `step` (AsyncEngine's loop thread; else the first to call it). A drafter built on
         # another thread (add_request validates its spec) frees that thread's OpenMP workers afterwards.
         self.step_thread: threading.Thread | None = None
@@ -217,14 +218,12 @@ class Engine:
         self._grow()
         self._admit()
         self.metrics.peak_kv_tokens = max(self.metrics.peak_kv_tokens, self.reserved_tokens)
-        if not self.running:
-            return outputs
-        with torch.inference_mode():
-            self._run_step(outputs)
-        self.metrics.num_steps += 1
-        if self.on_output is not None:
-            for out in outputs:
-                self.on_output(out)
+        if self.running:
+            with torch.inference_mode():
+                self._run_step(outputs)
+            self.metrics.num_steps += 1
+        if self.on_outputs is not None and outputs:
+            self.on_outputs(outputs)
         return outputs
 
     def run_until_done(self) -> dict[str, GenerationResult]:

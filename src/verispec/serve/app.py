@@ -212,7 +212,9 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     prompt_ids, params, spec = _prepare(state, body, chat)
     stream, include_usage = parse_stream(body)
     try:
-        rid, queue = state.engine.submit(prompt_ids, params, spec, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+        # a non-streaming response waits for the end only: its event loop is not woken for every step
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid, queue = state.engine.submit(prompt_ids, params, spec, rid, final_only=not stream)
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except VerispecError as e:  # e.g. the request needs more KV cache than the engine's budget
