@@ -193,3 +193,71 @@ def test_drafting_must_beat_plain_by_the_margin():
     assert g.draft(8) is False and g.draft(8, clean=False) is False
     g.record(8, True, tokens=40, seconds=0.020)  # now well ahead
     assert g.draft(8) is True
+
+
+def _block_drafter(target, window: int):
+    import torch
+
+    from verispec.drafters.block import BlockDrafter
+    from verispec.model.block import BlockConfig, BlockDraftModel
+
+    torch.manual_seed(0)
+    model = BlockDraftModel(target.config, BlockConfig(target_layers=(1,), block_size=4, num_layers=1, head="markov",
+                                                      markov_rank=8, confidence=True))
+    for name, p in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            torch.nn.init.normal_(p, std=0.2)
+    return BlockDrafter(model.eval(), target, context_window=window)
+
+
+def test_while_the_gate_keeps_plain_a_windowed_drafter_gets_no_rows_and_restarts_its_context_after_the_gap():
+    """Steps the gate keeps plain hand a drafter whose context may have gaps (a windowed block drafter) no hidden
+    rows; when drafting resumes its context restarts at the latest anchor's row, and every output equals plain
+    decoding. A drafter without gaps (the whole context) is handed every round's rows as before."""
+    target = tiny_model(4)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # no request can finish within the scripted 14 steps
+    prompts = [list(range(3 + i, 23 + i)) for i in range(3)]
+    plain = [decode(target, p, params).token_ids for p in prompts]
+    for window, gaps in ((4, True), (0, False)):
+        drafter = _block_drafter(target, window)
+        assert drafter.capabilities.context_gaps is gaps
+        accepted, observed = [], []
+        accept, observe = drafter.accept, drafter.observe
+        drafter.accept = lambda r: accepted.append(r.seq_id) or accept(r)
+        drafter.observe = lambda sid, start, h: observed.append((start, drafter.context_length(sid))) or observe(
+            sid, start, h)
+        engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="block"), drafters={"block": drafter})
+        script = iter([True, True] + [False] * 5 + [True] * 3 + [False] * 4)  # then True
+        engine.gate.draft = lambda n, clean=True: next(script, True)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, RequestSpec(), request_id=str(i))
+        results = engine.run_until_done()
+        assert [results[str(i)].token_ids for i in range(3)] == plain
+        assert engine.metrics.undrafted_steps == 9
+        gapped = [(start, known) for start, known in observed if start > known]
+        if gaps:  # 9 plain steps x 3 requests handed nothing; each of the two gaps restarts every context once, past
+            # all but the last plain step's anchor (5 and 4 plain steps)
+            assert len(accepted) == engine.metrics.num_rounds - 9 * 3
+            assert [start - known for start, known in gapped] == [4] * 3 + [3] * 3
+        else:
+            assert len(accepted) == engine.metrics.num_rounds and not gapped
+        assert not drafter.live_sequences()
+
+
+def test_a_block_drafter_restarts_its_context_at_a_gap_only_when_windowed():
+    import pytest
+    import torch
+
+    target = tiny_model(4)
+    for window in (4, 0):
+        drafter = _block_drafter(target, window)
+        drafter.start(0, list(range(3, 13)))
+        drafter.observe(0, 0, {1: torch.randn(9, target.config.hidden_size)})
+        if not window:
+            with pytest.raises(ValueError, match="new rows start at 12"):
+                drafter.observe(0, 12, {1: torch.randn(1, target.config.hidden_size)})
+            continue
+        drafter.observe(0, 12, {1: torch.randn(1, target.config.hidden_size)})
+        assert drafter.context_length(0) == 13 and drafter._ctx_start[0] == 12
+        with pytest.raises(ValueError, match="new rows start at 5"):  # never backwards
+            drafter.observe(0, 5, {1: torch.randn(1, target.config.hidden_size)})

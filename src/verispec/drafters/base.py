@@ -110,6 +110,10 @@ class Capabilities:
     trees: bool = False  # whether its drafts are trees by default (Draft.parents); False: chains unless asked
     tree_requests: bool = False  # whether it drafts the tree a request asks for (DraftRequest.tree)
     reads_target_kv: bool = False  # whether it reads the target's KV cache (self-speculation)
+    # whether it drafts on after missing some positions' hidden states: `observe` may then start past the context it
+    # knows, which restarts there (a windowed context that sees recent positions only). The engine skips handing
+    # over rows while its draft gate keeps such a drafter's requests plain.
+    context_gaps: bool = False
 
 
 NO_NEEDS = Capabilities()
@@ -143,7 +147,8 @@ class Drafter(ABC):
 
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         """The target computed hidden states {layer: [T, d]} (`capabilities.hidden_layers`) for committed
-        positions start..start+T-1 outside a verification round (the prefill)."""
+        positions start..start+T-1 outside a verification round (the prefill). `start` is where the context it
+        knows ends, or past it for a drafter whose capabilities allow `context_gaps`."""
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:

@@ -58,14 +58,15 @@ class BlockDrafter(Drafter):
         # are computed for these columns only; q is zero elsewhere, so rejection sampling stays exact.
         self.draft_vocab = None if draft_vocab is None else check_draft_vocab(
             draft_vocab, target.config.vocab_size).to(target.device)
-        self.capabilities = Capabilities(hidden_layers=tuple(model.config.target_layers))
+        self.window = model.config.context_window if context_window is None else context_window
+        if self.window < 0:
+            raise ValueError(f"context_window must be >= 0 (0: the whole context), got {self.window}")
+        # A windowed context sees recent positions only: it may restart after a gap (`observe`).
+        self.capabilities = Capabilities(hidden_layers=tuple(model.config.target_layers), context_gaps=self.window > 0)
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
         self._ctx: dict[int, KVCache] = {}
         self._ctx_start: dict[int, int] = {}  # the position of each context cache's first entry
-        self.window = model.config.context_window if context_window is None else context_window
-        if self.window < 0:
-            raise ValueError(f"context_window must be >= 0 (0: the whole context), got {self.window}")
         # Accepted rows not yet in the context cache, oldest first: {layer: [n, d]} each (see accept)
         self._pending: dict[int, list[dict[int, torch.Tensor]]] = {}
         # Context keys/values (and so the drafter's attention) in fp32 unless the drafter runs in bf16 off the CPU,
@@ -104,8 +105,13 @@ class BlockDrafter(Drafter):
         return set(self._ctx) | set(self._pending) | set(self._ctx_start)
 
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
-        if start != self.context_length(seq_id):
-            raise ValueError(f"context cache holds {self.context_length(seq_id)} positions, new rows start at {start}")
+        known = self.context_length(seq_id)
+        if start != known and not (start > known and self.window):
+            raise ValueError(f"context cache holds {known} positions, new rows start at {start}")
+        if start > known:  # a gap (the engine skipped rows while drafting did not pay): the context restarts here
+            self._ctx[seq_id].truncate(0)
+            self._pending.pop(seq_id, None)
+            self._ctx_start[seq_id] = start
         rows, w = next(iter(hidden.values())).shape[0], self.window
         if w and rows >= w:  # nothing before this chunk's last w rows stays visible: never project them
             self._ctx[seq_id].truncate(0)

@@ -85,6 +85,7 @@ class _Round:
     draft: Draft
     rows: int = 0  # first logit row of this request in the step's logits
     proposed: list[int] = field(default_factory=list)  # the whole draft, before the policy cut it
+    gap: bool = False  # kept plain by the draft gate, its drafter takes gaps: no rows handed over (see _run_step)
 
 
 class Engine:
@@ -325,6 +326,7 @@ class Engine:
         self.running.remove(req)
         req.cache = None
         req.prompt_hidden.clear()
+        req.resume_rows = None
         req.preemptions += 1
         self.metrics.preemptions += 1
 
@@ -405,6 +407,10 @@ class Engine:
         self.metrics.undrafted_steps += not drafting
         emitted_before = self.metrics.num_output_tokens
         rounds = self._draft(decoding, dspark=drafting)
+        if not drafting:  # the gate kept them plain: a drafter whose context may have gaps gets no rows
+            for rnd in rounds:
+                rnd.gap = rnd.req.policy == "dspark" and rnd.req.drafter is not None and self.drafter(
+                    rnd.req.drafter).capabilities.context_gaps
         elapsed = time.perf_counter() - t0
         if any(r.draft.tokens for r in rounds):  # the drafters' cost per drafting step, for the dspark rule
             self._draft_s = elapsed if not self._draft_s else 0.8 * self._draft_s + 0.2 * elapsed
@@ -448,6 +454,9 @@ class Engine:
                 if req.stats.num_rounds == 0 and self._prefix_layers(req):  # for the prefix cache (_commit)
                     req.prompt_hidden.append((pos, {k: h.clone() for k, h in rows.items()}))
         verdicts = self._verify(rounds, logits)
+        for rnd in rounds:
+            if rnd.gap and hidden:  # only its anchor's row is kept: the context restarts from it if drafting resumes
+                rnd.req.resume_rows = (len(rnd.req.tokens) - 1, hidden, logit_rows[rnd.rows])
         for rnd, verdict, rows in zip(rounds, verdicts, self._kept_rows(rounds, verdicts, hidden, logit_rows)):
             self._commit(rnd, verdict, rows, outputs)
         if gated and clean:  # a step that also prefilled pays mostly for the prompt
@@ -460,7 +469,12 @@ class Engine:
         rounds = {req.request_id: _Round(req, EMPTY_DRAFT) for req in decoding}
         by_drafter: dict[str, list[DraftRequest]] = {}
         for req in decoding:
-            budget = self._budget(req, len(decoding)) if dspark or req.policy != "dspark" else 0
+            drafts = dspark or req.policy != "dspark"
+            if drafts and req.resume_rows is not None:  # the gate kept it plain before: its context restarts here
+                pos, hidden, row = req.resume_rows
+                req.resume_rows = None
+                self.drafter(req.drafter).observe(req.seq_id, pos, {k: h[row : row + 1] for k, h in hidden.items()})
+            budget = self._budget(req, len(decoding)) if drafts else 0
             if len(req.pending) > 1 and self._reads_prompt(req):
                 budget = 0  # its context (the prompt's hidden states or KV rows) arrives with this very forward
             if req.drafter is not None and budget > 0:
@@ -514,7 +528,7 @@ class Engine:
         index: list[int] = []
         spans: list[tuple[int, int] | None] = []
         for rnd, verdict in zip(rounds, verdicts):
-            if rnd.req.drafter is None or not hidden:
+            if rnd.req.drafter is None or rnd.gap or not hidden:
                 spans.append(None)
                 continue
             first, rows = logit_rows[rnd.rows], accepted_rows(verdict)
@@ -549,7 +563,7 @@ class Engine:
         if rnd.proposed:
             req.shadow.append((n, rnd.proposed))
         self._learn_acceptance(req)
-        if req.drafter is not None:  # every round, drafted or not, as the reference loop does
+        if req.drafter is not None and not rnd.gap:  # every round, drafted or not, as the reference loop does
             self.drafter(req.drafter).accept(Verified(req.seq_id, num_accepted, emitted.token_ids, req_hidden))
         if emitted.finish_reason is None:
             outputs.append(RequestOutput(req.request_id, emitted.token_ids, emitted.text))
