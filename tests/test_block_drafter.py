@@ -255,6 +255,29 @@ def test_batched_proposals_equal_one_at_a_time(target):
         torch.testing.assert_close(d.confidence, alone.confidence, rtol=1e-5, atol=1e-6)
 
 
+def test_pending_rows_of_a_batch_are_projected_together_into_each_context(target):
+    """A batched proposal projects every sequence's pending rows in one pass per layer (rows of several rounds, a
+    windowed restart past a gap): each context cache equals the one its rows give on their own."""
+    model = make_block(target, head="markov", confidence=True)
+    together, alone = BlockDrafter(model, target, context_window=4), BlockDrafter(model, target, context_window=4)
+    with torch.inference_mode():
+        hidden = [target(torch.tensor([p]), hidden_layers=(1,))[1][1][0] for p in PROMPTS[:2]]
+    for d in (together, alone):
+        for i, p in enumerate(PROMPTS[:2]):
+            d.start(i, p)
+            d.observe(i, 0, {1: hidden[i][:3]})
+            d.observe(i, 3, {1: hidden[i][3:5]})  # a second chunk waits beside the first
+        d.observe(1, 6, {1: hidden[1][6:7]})  # a gap past position 5: sequence 1's context restarts at 6
+    together._flush(0, 1)
+    alone._flush(0)
+    alone._flush(1)
+    for i, n in ((0, 5), (1, 1)):
+        a, b = together._ctx[i], alone._ctx[i]
+        assert a.length == b.length == n and together._ctx_start[i] == alone._ctx_start[i]
+        torch.testing.assert_close(a.k[:, :, :, :n], b.k[:, :, :, :n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.v[:, :, :, :n], b.v[:, :, :, :n], rtol=1e-5, atol=1e-6)
+
+
 def test_torch_head_loop_drafts_what_the_native_loop_drafts(target, monkeypatch):
     """Greedy DSpark drafts come from kernels/markov.c where it runs, from the torch head loop elsewhere: the
     same tokens and confidences either way. The transition bias is scaled up so that it decides tokens."""

@@ -149,12 +149,19 @@ class BlockDrafter(Drafter):
         return self.model.context_features(hidden)[None]
 
     @torch.inference_mode()
-    def _flush(self, seq_id: int) -> None:
-        """Append this sequence's pending rows to its context cache on their own."""
-        feats = self._take_pending(seq_id)
-        if feats is not None:
-            cache = self._ctx[seq_id]
-            self.model.append_context(cache, feats, self._ctx_start[seq_id] + cache.length, self._ctx_start[seq_id])
+    def _flush(self, *seq_ids: int) -> None:
+        """Append these sequences' pending rows to their context caches, projected together (one pass per layer
+        for a batch, not one per sequence)."""
+        todo = [(sid, self._pending.pop(sid)) for sid in seq_ids if self._pending.get(sid)]
+        if not todo:
+            return
+        layers = self.model.config.target_layers
+        rows = [sum(c[layers[0]].shape[0] for c in chunks) for _, chunks in todo]
+        hidden = {k: torch.cat([c[k] for _, chunks in todo for c in chunks]) for k in layers}  # [sum(rows), d]
+        caches = [self._ctx[sid] for sid, _ in todo]
+        starts = [self._ctx_start[sid] for sid, _ in todo]
+        self.model.append_contexts(caches, self.model.context_features(hidden)[None],
+                                   [s + c.length for s, c in zip(starts, caches)], rows, starts)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -186,8 +193,7 @@ class BlockDrafter(Drafter):
             ctx_start = self._ctx_start[requests[live[0]].seq_id]
             new_ctx = self._take_pending(requests[live[0]].seq_id)
         else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
-            for i in live:
-                self._flush(requests[i].seq_id)
+            self._flush(*(requests[i].seq_id for i in live))
             ctx_start = 0  # unused: no new context rows in a batch
             lengths = torch.tensor([c.length for c in caches], device=device)
             width = int(lengths.max())

@@ -252,14 +252,27 @@ class BlockDraftModel(nn.Module):
     def append_context(self, cache: KVCache, feats: torch.Tensor, start: int, cache_start: int = 0) -> None:
         """Write context features [1, T, d] for positions start..start+T-1 into a per-sequence cache whose first
         entry is position cache_start (a sliding window's start)."""
-        if cache_start + cache.length != start:
-            raise ValueError(f"context cache holds positions {cache_start}..{cache_start + cache.length - 1}, "
-                             f"new features start at {start}")
-        cache.reserve(cache.length + feats.shape[1])
-        positions = torch.arange(start, start + feats.shape[1], device=feats.device)[None]
-        for i, (k, v) in enumerate(self.context_kv(feats, positions)):
-            cache.write(i, k, v)
-        cache.advance(feats.shape[1])
+        self.append_contexts([cache], feats, [start], [feats.shape[1]], [cache_start])
+
+    def append_contexts(
+        self, caches: list[KVCache],
+        feats: torch.Tensor,  # [1, sum(rows), d] each sequence's features back to back
+        starts: list[int], rows: list[int], cache_starts: list[int],  # per sequence: first position, count, window
+    ) -> None:
+        """append_context for several sequences' caches, their rows projected in one pass per layer."""
+        for cache, start, cache_start in zip(caches, starts, cache_starts):
+            if cache_start + cache.length != start:
+                raise ValueError(f"context cache holds positions {cache_start}..{cache_start + cache.length - 1}, "
+                                 f"new features start at {start}")
+        positions = torch.cat([torch.arange(s, s + n, device=feats.device) for s, n in zip(starts, rows)])[None]
+        kv = self.context_kv(feats, positions)  # per layer [1, Hkv, sum(rows), D]
+        offset = 0
+        for cache, n in zip(caches, rows):
+            cache.reserve(cache.length + n)
+            for i, (k, v) in enumerate(kv):
+                cache.write(i, k[:, :, offset : offset + n], v[:, :, offset : offset + n])
+            cache.advance(n)
+            offset += n
 
     # ---- block ------------------------------------------------------------------------------------------------
     def block_hidden(
