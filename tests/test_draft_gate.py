@@ -187,7 +187,7 @@ def test_a_load_between_takes_the_nearest_measured_loads_verdict():
 
 
 def test_drafting_must_beat_plain_by_the_margin():
-    g = warmed(8, margin=1.1)
+    g = warmed(8, margin=1.1, decay=0.9)
     g.record(8, True, tokens=21, seconds=0.020)  # 1,050 tokens/s
     g.record(8, False, tokens=10, seconds=0.010)  # 1,000 tokens/s: drafting 5% faster, inside the margin
     assert g.draft(8) is False and g.draft(8, clean=False) is False

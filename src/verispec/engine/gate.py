@@ -28,12 +28,21 @@ from dataclasses import dataclass, field
 @dataclass
 class DraftGate:
     probe_every: int = 16  # the most often the other choice is retried
-    probe_cost: float = 0.05  # the share of time probing may cost (see spacing)
-    # Drafting must beat plain by this factor to be chosen: plain is the safe choice, and single early steps are
-    # noisy (8 clients through the server once drafted a third of their steps at 0.77x plain)
-    margin: float = 1.1
+    # The share of time probing may cost (see spacing). It is what the dspark policy loses to plain at a load where
+    # drafting never pays: at 0.05, 8 clients in process lost ~5% to probes (a drafted step 26 ms for 25 tokens,
+    # plain 5.3 ms for 8); at 0.02 a probe comes every ~85 steps there, about every half second.
+    probe_cost: float = 0.02
+    # Drafting must beat plain by this factor to be chosen (8 clients through the server once drafted a third of
+    # their steps at 0.77x plain with noisy 10-step averages; 1.1 then). With the longer memory below, a margin cost
+    # the 1-client case more than it saved (in process, 24 requests a run, 10 runs: 1.30x plain at 1.1, 1.40x at
+    # 1.0 with decay 0.98, drafting every step 1.41x; 0.95-0.99x plain at 4 and 8 clients either way).
+    margin: float = 1.0
     clip: float = 2.0  # a recorded step counts at most this many times its choice's average step time
-    decay: float = 0.9  # weight of the past in a choice's token and time averages, per step recorded at its load
+    # Weight of the past in a choice's token and time averages, per step recorded at its load: ~50 steps of memory.
+    # At one request what drafting earns follows the text (a round of 1-2 tokens at 280-550 tok/s beside rounds of
+    # 9 at 2,200); with 10 steps of memory the gate chased it, went plain for a poor stretch and learnt of a good
+    # one only at its next probe, losing 10-15% of drafting's speedup at one client.
+    decay: float = 0.98
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     warm: set[tuple[int, bool]] = field(default_factory=set)  # choices whose warm-up step was seen, per bucket
