@@ -272,7 +272,7 @@ def test_pending_rows_of_a_batch_are_projected_together_into_each_context(target
     alone._flush(0)
     alone._flush(1)
     for i, n in ((0, 5), (1, 1)):
-        a, b = together._ctx[i], alone._ctx[i]
+        a, b = together._context(i), alone._context(i)
         assert a.length == b.length == n and together._ctx_start[i] == alone._ctx_start[i]
         torch.testing.assert_close(a.k[:, :, :, :n], b.k[:, :, :, :n], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a.v[:, :, :, :n], b.v[:, :, :, :n], rtol=1e-5, atol=1e-6)
@@ -331,7 +331,7 @@ def test_drafter_runs_in_the_targets_dtype(tmp_path, target):
     fp32 = load_block_drafter(tmp_path / "d", target)
     req = [DraftRequest(0, [7], 4, SamplingParams(), None)]
     drafter.start(0, [7]), fp32.start(0, [7])
-    assert drafter._ctx[0].k.dtype == torch.float32
+    assert drafter._context(0).k.dtype == torch.float32
     assert drafter.propose(req)[0].tokens == fp32.propose(req)[0].tokens
 
 
@@ -366,15 +366,15 @@ def test_accepted_rows_projected_with_the_block_equal_a_separate_append(rounds, 
         separate.observe(0, pos, rows)
         separate._flush(0)  # appended on their own, before the proposal
         pos += n
-    assert fused.context_length(0) == separate._ctx[0].length == pos
+    assert fused.context_length(0) == separate._context(0).length == pos
     req = [DraftRequest(0, tokens[: pos + 1], 4, SamplingParams(), None)]
     a, b = fused.propose(req)[0], separate.propose(req)[0]
     assert a.tokens == b.tokens and len(a.tokens) == 4
     torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)
-    for c in (fused._ctx[0], separate._ctx[0]):
+    for c in (fused._context(0), separate._context(0)):
         assert c.length == pos
-    torch.testing.assert_close(fused._ctx[0].k[:, :, :, :pos], separate._ctx[0].k[:, :, :, :pos], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused._ctx[0].v[:, :, :, :pos], separate._ctx[0].v[:, :, :, :pos], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused._context(0).k[:, :, :, :pos], separate._context(0).k[:, :, :, :pos], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused._context(0).v[:, :, :, :pos], separate._context(0).v[:, :, :, :pos], rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="anchor is at"):  # the context and the anchor disagree: said, not drafted
         fused.propose([DraftRequest(0, tokens[: pos + 2], 4, SamplingParams(), None)])
     fused.accept(Verified(0, 0, [], {1: hidden[1][0, pos : pos + 1]}))
@@ -425,7 +425,7 @@ def test_draft_vocabulary_drafts_the_best_token_inside_it(native_loop, target, m
     req = [DraftRequest(0, prompt, 4, SamplingParams(), None)]
     with torch.inference_mode():
         embed = target.model.embed_tokens
-        h = model.block_hidden(embed, torch.tensor([prompt[-1]]), torch.tensor([len(prompt) - 1]), full._ctx[0])
+        h = model.block_hidden(embed, torch.tensor([prompt[-1]]), torch.tensor([len(prompt) - 1]), full._context(0))
         base = full._block_logits(h[:, :4])[0]  # [4, V]
         want, prev = [], prompt[-1]
         for j in range(4):
@@ -549,7 +549,7 @@ def test_native_block_layers_equal_the_torch_layers(pending, bits, target, nativ
         if pending:
             drafter.accept(Verified(0, pending - 1, [], {1: hidden[1][0, head - 1 : head - 1 + pending]}))
         draft = drafter.propose([DraftRequest(0, prompt, 4, SamplingParams(), None)])[0]
-        cache = drafter._ctx[0]
+        cache = drafter._context(0)
         with torch.inference_mode():  # the block again over the committed context: its states and cache rows
             h = model.block_hidden(target.model.embed_tokens, torch.tensor([prompt[-1]]),
                                    torch.tensor([len(prompt) - 1]), cache)
@@ -577,7 +577,7 @@ def test_native_block_layers_stay_out_of_batches_and_training(target, native_cal
     with torch.inference_mode():
         drafter.propose(reqs[:1])
     assert len(native_calls) == model.config.num_layers
-    ctx = drafter._ctx[0]
+    ctx = drafter._context(0)
     x = torch.zeros(1, 4, target.config.hidden_size, requires_grad=True)
     assert model._native_packs(x, ctx, None) is None  # a gradient is wanted
     with torch.no_grad():

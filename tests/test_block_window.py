@@ -105,14 +105,14 @@ def test_window_bookkeeping_through_prefill_chunks(target):
             d.observe(0, a, {1: rows[a:b]})
             assert d.context_length(0) == b
         d._flush(0)  # observed rows wait for the next proposal; project them now to look at the cache
-        assert d.context_length(0) == 20 and d._ctx[0].length == 4 and d._ctx_start[0] == 16
+        assert d.context_length(0) == 20 and d._context(0).length == 4 and d._ctx_start[0] == 16
         whole = BlockDrafter(model, target)
         whole.start(0, LONG)
         whole.observe(0, 0, {1: rows[:20]})
         whole._flush(0)
-        torch.testing.assert_close(d._ctx[0].k[:, :, :, :4], whole._ctx[0].k[:, :, :, 16:20], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(d._ctx[0].v[:, :, :, :4], whole._ctx[0].v[:, :, :, 16:20], rtol=1e-5, atol=1e-6)
-        assert whole._ctx[0].length == 20
+        torch.testing.assert_close(d._context(0).k[:, :, :, :4], whole._context(0).k[:, :, :, 16:20], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(d._context(0).v[:, :, :, :4], whole._context(0).v[:, :, :, 16:20], rtol=1e-5, atol=1e-6)
+        assert whole._context(0).length == 20
         with pytest.raises(ValueError, match="new rows start at 19"):
             d.observe(0, 19, {1: rows[19:20]})
 
@@ -194,7 +194,7 @@ def test_window_cache_is_sized_by_the_window_and_grows_for_pending_rows(prepared
     rec = _Rounds(inner)
     prompt = PROMPTS[0] * 3  # repeats itself: prompt lookup drafts most rounds
     inner.start(7, prompt)
-    assert inner._ctx[7].max_len == 2 * 2 + 2 * model.config.block_size < target.config.context_limit
+    assert inner._context(7).max_len == 2 * 2 + 2 * model.config.block_size < target.config.context_limit
     inner.finish(7)
     first = 2 * 2 + 2 * model.config.block_size
     capacity = []

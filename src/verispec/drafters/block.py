@@ -77,19 +77,27 @@ class BlockDrafter(Drafter):
         self._cache: dict[str, tuple[tuple, object]] = {}  # see _derived
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
-        cfg, g = self.target.config, self.model.config.block_size
-        # A window holds 2W entries between slides, plus a block; rows pending from several lookup rounds grow the
-        # cache on demand (KVCache.reserve). Without a window, room for the whole context.
-        rows = 2 * self.window + 2 * g if self.window else cfg.context_limit + g
-        self._ctx[seq_id] = KVCache(self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim, rows,
-                                    dtype=self._ctx_dtype, device=self.target.device)
-        self._pending.pop(seq_id, None)  # a restarted sequence keeps nothing of its previous run
+        # a restarted sequence keeps nothing of its previous run; its context cache comes with its first rows
+        self._ctx.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
         self._ctx_start[seq_id] = 0
+
+    def _context(self, seq_id: int) -> KVCache:
+        """The sequence's context cache, made when first written (a request the draft gate keeps plain never
+        needs it: megabytes zeroed per request otherwise)."""
+        if seq_id not in self._ctx:
+            cfg, g = self.target.config, self.model.config.block_size
+            # A window holds 2W entries between slides, plus a block; rows pending from several lookup rounds grow
+            # the cache on demand (KVCache.reserve). Without a window, room for the whole context.
+            rows = 2 * self.window + 2 * g if self.window else cfg.context_limit + g
+            self._ctx[seq_id] = KVCache(self.model.config.num_layers, cfg.num_key_value_heads, cfg.head_dim, rows,
+                                        dtype=self._ctx_dtype, device=self.target.device)
+        return self._ctx[seq_id]
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         # The context covers positions [0, tokens - 1): cut it back to [0, num_tokens - 1).
         self._flush(seq_id)
-        cache, end = self._ctx[seq_id], num_tokens - 1
+        cache, end = self._context(seq_id), num_tokens - 1
         if end < self._ctx_start[seq_id]:  # the window slid past it: start again from there
             cache.truncate(0)
             self._ctx_start[seq_id] = end
@@ -109,12 +117,12 @@ class BlockDrafter(Drafter):
         if start != known and not (start > known and self.window):
             raise ValueError(f"context cache holds {known} positions, new rows start at {start}")
         if start > known:  # a gap (the engine skipped rows while drafting did not pay): the context restarts here
-            self._ctx[seq_id].truncate(0)
+            self._ctx.pop(seq_id, None)
             self._pending.pop(seq_id, None)
             self._ctx_start[seq_id] = start
         rows, w = next(iter(hidden.values())).shape[0], self.window
         if w and rows >= w:  # nothing before this chunk's last w rows stays visible: never project them
-            self._ctx[seq_id].truncate(0)
+            self._ctx.pop(seq_id, None)
             self._pending.pop(seq_id, None)
             self._ctx_start[seq_id] = start + rows - w
             hidden = {layer: h[rows - w :] for layer, h in hidden.items()}
@@ -123,7 +131,7 @@ class BlockDrafter(Drafter):
 
     def _keep_latest(self, seq_id: int, rows: int) -> None:
         """Slide the context window: keep the latest `rows` entries of the cache (0: keep everything)."""
-        cache = self._ctx[seq_id]
+        cache = self._context(seq_id)
         if rows and cache.length > rows:
             self._ctx_start[seq_id] += cache.length - rows
             cache.drop_front(cache.length - rows)
@@ -138,7 +146,8 @@ class BlockDrafter(Drafter):
     def context_length(self, seq_id: int) -> int:
         """Positions of this sequence's context known to the drafter (in its cache or waiting for it)."""
         rows = sum(next(iter(p.values())).shape[0] for p in self._pending.get(seq_id, []))
-        return self._ctx_start[seq_id] + self._ctx[seq_id].length + rows
+        held = self._ctx[seq_id].length if seq_id in self._ctx else 0
+        return self._ctx_start[seq_id] + held + rows
 
     def _take_pending(self, seq_id: int) -> torch.Tensor | None:  # [1, n, d] context features, or None
         chunks = self._pending.pop(seq_id, None)
@@ -158,7 +167,7 @@ class BlockDrafter(Drafter):
         layers = self.model.config.target_layers
         rows = [sum(c[layers[0]].shape[0] for c in chunks) for _, chunks in todo]
         hidden = {k: torch.cat([c[k] for _, chunks in todo for c in chunks]) for k in layers}  # [sum(rows), d]
-        caches = [self._ctx[sid] for sid, _ in todo]
+        caches = [self._context(sid) for sid, _ in todo]
         starts = [self._ctx_start[sid] for sid, _ in todo]
         self.model.append_contexts(caches, self.model.context_features(hidden)[None],
                                    [s + c.length for s, c in zip(starts, caches)], rows, starts)
@@ -184,7 +193,7 @@ class BlockDrafter(Drafter):
                 if p - self._ctx_start[sid] > 2 * self.window:
                     self._flush(sid)
                     self._keep_latest(sid, self.window)
-        caches = [self._ctx[requests[i].seq_id] for i in live]
+        caches = [self._context(requests[i].seq_id) for i in live]
         anchor_pos = torch.tensor(pos, device=device)
         new_ctx = None
         if len(live) == 1:  # its cache as is (pending rows, then the block's keys/values after its entries), no mask
