@@ -54,7 +54,7 @@ def main() -> None:
         _, hidden = target(torch.tensor([ids[:-1]]), cache=cache, num_logits=0, hidden_layers=layers)
         drafter.start(0, ids)
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})
-        ctx_cache = drafter._ctx[0]
+        ctx_cache = drafter._context(0)
         seen, first = ctx_cache.length, drafter._ctx_start[0]  # the drafter's window of the context
         request = [DraftRequest(0, ids, g, SamplingParams(), None)]
         after = [DraftRequest(0, ids + ids[-5:], g, SamplingParams(), None)]  # the anchor five positions later
