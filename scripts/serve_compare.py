@@ -7,8 +7,9 @@ on the target's bf16 GGUF with continuous batching, restarted per load with one 
 `/v1/completions` request (greedy, ignore_eos, non-streaming) when the last one returns, over the last 600
 characters of the code task prompts. Per arm and C: aggregate tokens/s (completion tokens over the wall time) and
 per-user tokens/s (each request's completion tokens over its latency, averaged); arms interleaved per C, medians
-over repeats. Beside it, the library's own plain decoding on the same prompts (one process, one request at a time),
-the reference for "the server at 1 client". Needs `bash scripts/llamacpp.sh` for the llama-server arm.
+over repeats. Beside it, in each repeat right before the servers' runs at one client, the library's own decoding
+(plain and DSpark, one request at a time, in a process of its own) on the prompts one client sends: the reference for
+"the server at 1 client", as per-repeat ratios. Needs `bash scripts/llamacpp.sh` for the llama-server arm.
 """
 
 from __future__ import annotations
@@ -100,12 +101,15 @@ def engine_counters(port: int) -> dict[str, float]:
     return out
 
 
-def library(texts: list[str], max_tokens: int, threads: int, repeats: int) -> dict[str, float]:
-    """The library's own decoding, one request at a time, in a process of its own: tokens/s per request, median
-    over prompts and repeats, for plain decoding and for the DSpark drafter under the dspark policy (k 8), the two
-    interleaved per prompt (the references for "the server at 1 client")."""
-    code = f"""
-import json, statistics, time, torch
+class Library:
+    """The library's own decoding in a process of its own, one request at a time, for the references of "the server
+    at 1 client": plain decoding and the DSpark drafter under the dspark policy (k 8), the two interleaved per
+    prompt. It stays loaded and runs when asked, so that each repeat measures it right beside the servers' runs at
+    one client, on the very prompts those runs send (a reference measured minutes apart drifted with the host)."""
+
+    def __init__(self, texts: list[str], max_tokens: int, threads: int) -> None:
+        code = f"""
+import json, sys, time, torch
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters.base import build_drafter
@@ -119,18 +123,30 @@ arms = {{"plain": {{}}, "dspark": {{"drafter": d, "spec": SpecConfig(k=8, policy
 texts = {texts!r}
 for kw in arms.values():
     decode(t, tok.encode(texts[0]), p, **kw)
-rates = {{a: [] for a in arms}}
-for _ in range({repeats}):
+print("ready", flush=True)
+for _ in sys.stdin:
+    tokens, seconds = {{a: 0 for a in arms}}, {{a: 0.0 for a in arms}}
     for x in texts:
-        ids = tok.encode(x)
         for a, kw in arms.items():
             t0 = time.perf_counter()
-            decode(t, ids, p, **kw)
-            rates[a].append({max_tokens} / (time.perf_counter() - t0))
-print(json.dumps({{a: statistics.median(r) for a, r in rates.items()}}))
+            tokens[a] += len(decode(t, tok.encode(x), p, **kw).token_ids)
+            seconds[a] += time.perf_counter() - t0
+    print(json.dumps({{a: tokens[a] / seconds[a] for a in arms}}), flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("error: the library reference process failed to start")
+
+    def run(self) -> dict[str, float]:
+        """tokens/s over the prompts (all tokens over all time, as the server's aggregate), plain and dspark."""
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
 
 
 def main() -> None:
@@ -176,16 +192,20 @@ def main() -> None:
         print(f"{arm:16s} C={c:3d} aggregate {r['aggregate']:7.1f} tok/s  per-user {r['per_user']:6.1f}{steps}",
               flush=True)
 
+    # the prompts one client sends (closed_loop: client 0's j-th request), for the library reference
+    reference = Library([texts[j % len(texts)] for j in range(max(2, args.requests))], args.max_tokens, args.threads)
+    lib = []
     try:
         for arm, (proc, model) in servers.items():  # warm-up: one request each
             asyncio.run(closed_loop(ports[arm], model, texts, 1, 1, args.max_tokens))
-        lib = [library(texts[:8], args.max_tokens, args.threads, 2)]
         for rep in range(args.repeats):
             for c in clients:
+                if c == 1:
+                    lib.append({"repeat": rep, **reference.run()})
                 for arm in arms:
                     run(arm, c, rep)
-            lib.append(library(texts[:8], args.max_tokens, args.threads, 2))
     finally:
+        reference.close()
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait()
@@ -201,10 +221,12 @@ def main() -> None:
            f"Machine: {model}, {args.threads} threads, flags `{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}`;"
            f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
            f"--max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}`.", "",
-           f"The library on the same prompts (one request at a time, plain and dspark interleaved): plain "
-           f"{statistics.median(x['plain'] for x in lib):.1f} tok/s per request (runs: {runs('plain')}), "
+           f"The library on the prompts one client sends (one request at a time, plain and dspark interleaved per "
+           f"prompt, run in each repeat right before the servers' runs at one client; tokens over time, prefill "
+           f"included): plain {statistics.median(x['plain'] for x in lib):.1f} tok/s (runs: {runs('plain')}), "
            f"`dspark:zoo/dspark` with the dspark policy (k 8) {statistics.median(x['dspark'] for x in lib):.1f} "
-           f"(runs: {runs('dspark')}); speedup {statistics.median(x['dspark'] / x['plain'] for x in lib):.2f}x.", "",
+           f"(runs: {runs('dspark')}); speedup {statistics.median(x['dspark'] / x['plain'] for x in lib):.2f}x.",
+           *_one_client(rows, lib), "",
            "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
            "|---|" + "---|---|" * len(arms)]
     for c in clients:
@@ -221,6 +243,29 @@ def main() -> None:
             f"{sum(r['steps'] for r in gated if r['clients'] == c):.0f}" for c in clients) + "."]
     (args.out / "summary.md").write_text("\n".join(out) + "\n")
     print("\n".join(out))
+
+
+def _one_client(rows: list[dict], lib: list[dict]) -> list[str]:
+    """The goals at one client, each a median of per-repeat ratios (the library run beside that repeat's)."""
+    def at1(arm: str, rep: int) -> float | None:
+        return next((r["aggregate"] for r in rows if r["arm"] == arm and r["clients"] == 1 and r["repeat"] == rep),
+                    None)
+
+    plain, spec = [], []
+    for x in lib:
+        p, d = at1("verispec plain", x["repeat"]), at1("verispec dspark", x["repeat"])
+        if p:
+            plain.append(p / x["plain"])
+        if p and d:
+            spec.append((d / p) / (x["dspark"] / x["plain"]))
+    out = []
+    if plain:
+        out.append(f"Per repeat, the plain server at 1 client against the library's plain: "
+                   f"{', '.join(f'{r:.2f}' for r in plain)}x (median {statistics.median(plain):.2f}x; goal >= 0.90).")
+    if spec:
+        out.append(f"The dspark server's speedup over the plain server at 1 client, as a share of the library's: "
+                   f"{', '.join(f'{r:.2f}' for r in spec)} (median {statistics.median(spec):.2f}; goal >= 0.90).")
+    return [" ".join(out)] if out else []
 
 
 if __name__ == "__main__":
