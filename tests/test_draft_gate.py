@@ -116,19 +116,24 @@ def test_probe_spacing_weighs_a_probes_time_beyond_the_better_choice():
     assert [i + 1 for i, p in enumerate(picks) if p] == [82, 164]
 
 
-def test_a_heavier_load_starts_plain_where_a_lighter_one_found_drafting_slower():
-    g = warmed(8, probe_every=4, probe_cost=0.05)
+def test_a_heavier_load_never_drafts_while_a_lighter_one_finds_drafting_slower():
+    """Drafting pays less the more requests share a step: above a load where it measured slower, steps do not draft,
+    not even to probe, until that load's own probes find drafting faster again."""
+    g = warmed(8, probe_every=4, probe_cost=0.05, decay=0.5)
     g.record(8, True, tokens=16, seconds=0.030)  # drafting at 8-15 requests: 533 tokens/s
     g.record(8, False, tokens=8, seconds=0.008)  # plain: 1,000 tokens/s
     every = g.spacing(g.bucket(8))
     assert every > 4
     picks = []
-    for _ in range(2 * every):  # 16-31 requests, never measured: plain first (its warm-up, then its measurement)
+    for _ in range(4 * every):  # 16-31 requests: plain throughout
         picks.append(g.draft(20))
         if not picks[-1]:
             g.record(20, False, tokens=20, seconds=0.015)
-    assert [i + 1 for i, p in enumerate(picks) if p] == [every, 2 * every]  # drafting probed at the lighter spacing
-    assert g.draft(20, clean=False) is False
+    assert not any(picks) and g.draft(20, clean=False) is False
+    assert [g.draft(8) for _ in range(every)][-1] is True  # the lighter load still probes at its spacing
+    for _ in range(3):
+        g.record(8, True, tokens=60, seconds=0.010)  # ... and finds drafting faster now
+    assert g.draft(20) is True  # the heavier load measures drafting again (nearest load: it pays)
 
 
 def test_a_heavier_load_measures_drafting_first_where_a_lighter_one_found_it_faster():

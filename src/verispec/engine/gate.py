@@ -13,7 +13,10 @@ ms (a 93 ms loss: probed every 81 steps, not every 24 as a spacing by the ratio 
 the steps take 19% of the time).
 
 Drafting pays less the more requests share a step (each verified token costs real compute once the step is
-compute-bound), so a load is not measured from scratch where the nearest load measured found drafting slower: it
+compute-bound), so a load heavier than one where drafting measured slower does not draft at all, not even to probe:
+the lighter load's probes find out when drafting pays again (a drafted step at 32 requests took ~3x a plain one,
+and its warm-up, first measurement and probes, 8 of 319 steps, cost the dspark server ~8% against plain through
+HTTP, Zen 5). A load is not measured from scratch where the nearest load measured found drafting slower either: it
 starts plain, and its first drafted step waits for that load's probe spacing. (A closed loop's tail drains through
 every lighter load; measuring each by drafting first cost two drafted steps apiece, 67 ms against a plain step's 8 at
 15 requests.)
@@ -62,6 +65,8 @@ class DraftGate:
         if not clean:
             return drafted is not None and plain is not None and self._pays(b)
         n = self.steps[b] = self.steps.get(b, 0) + 1
+        if self._slower_below(b):  # where drafting lost with fewer requests it loses here too: not even probed
+            return False
         if drafted is None or plain is None:
             near = self._nearest(b)
             if near is None or self._pays(near):
@@ -89,6 +94,10 @@ class DraftGate:
             (t_best, s_best), (t_other, s_other) = (t_p, s_p), (t_d, s_d)
         loss = s_other - t_other * s_best / max(t_best, 1e-9)  # seconds a probe costs over the better choice
         return max(self.probe_every, math.ceil(loss / (self.probe_cost * s_best)))
+
+    def _slower_below(self, bucket: int) -> bool:
+        """Whether a lighter load, both choices measured, found drafting slower."""
+        return any(b < bucket and (b, not drafted) in self.sums and not self._pays(b) for b, drafted in self.sums)
 
     def _nearest(self, bucket: int) -> int | None:
         """The nearest other load with both choices measured, the heavier one on a tie (where it found drafting
