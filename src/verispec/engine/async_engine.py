@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import math
 import threading
 import time
 import uuid
@@ -42,7 +43,7 @@ def release_free_memory() -> bool:
     block freed so far (up to 32 MiB), so after the first few caches they come from the heap arenas, and a freed
     cache's pages stay resident unless they sit at an arena's top: RSS holds the peak of past bursts
     (reports/soak/README.md). A trim that returns 476 MiB takes 73 ms on a busy 2-core machine, and 0.03 ms when
-    there is nothing to return, so the loop trims only when it runs out of work."""
+    there is nothing to return, so the loop trims only when it has run out of work for TRIM_AFTER_S."""
     trim = _malloc_trim()
     return bool(trim is not None and trim(0) >= 0)
 
@@ -76,6 +77,8 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class AsyncEngine:
+    TRIM_AFTER_S = 0.2  # idle time after a burst before release_free_memory
+
     def __init__(self, engine: Engine, trim_when_idle: bool = True) -> None:
         self.engine = engine
         self.trim_when_idle = trim_when_idle  # release_free_memory() each time the engine runs out of work
@@ -105,17 +108,22 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
-        busy = False
+        idle_since: float | None = None  # when the engine last ran out of work, until the burst's trim
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished():
-                    if busy and self.trim_when_idle:  # once per burst, off the busy path
+                    now = time.perf_counter()
+                    idle_since = idle_since or now
+                    # Once per burst, and only once the engine has stayed idle: a closed-loop client's next request
+                    # comes ~7 ms after its last, and a trim between them made it fault its pages in again (the
+                    # plain server at one client 3% slower, Zen 5).
+                    if self.trim_when_idle and now - idle_since >= self.TRIM_AFTER_S:
                         release_free_memory()
-                    busy = False
+                        idle_since = math.inf
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                busy = True
+                idle_since = None
                 t0 = time.perf_counter()
                 self.engine.step()
                 self.last_step_s = time.perf_counter() - t0
