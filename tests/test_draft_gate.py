@@ -38,7 +38,7 @@ def test_gate_measures_both_then_follows_the_faster_and_probes_the_other():
 
 def test_a_much_slower_choice_is_probed_rarely():
     """Probing costs at most probe_cost of the time: a choice 3x slower is retried every 40 steps, not every 16."""
-    g = warmed(32, probe_every=16, probe_cost=0.05)
+    g = warmed(32, probe_every=16, probe_cost=0.05, trust=1)
     g.record(32, True, tokens=32, seconds=0.030)  # drafting: 1,067 tokens/s
     g.record(32, False, tokens=32, seconds=0.010)  # plain: 3,200 tokens/s, 3x faster
     picks = [g.draft(40) for _ in range(80)]
@@ -107,7 +107,7 @@ def test_probe_spacing_weighs_a_probes_time_beyond_the_better_choice():
     probe costs the time it takes beyond what plain steps take for the same tokens (at 64 requests, Zen 5: 173 ms
     for ~190 tokens against plain's 55 in 23 ms; spacing by the rates' ratio probed every 24 steps, which let 7% of
     the steps take 19% of the time)."""
-    g = warmed(64, probe_every=16, probe_cost=0.05)
+    g = warmed(64, probe_every=16, probe_cost=0.05, trust=1)
     g.record(64, True, tokens=190, seconds=0.173)
     g.record(64, False, tokens=55, seconds=0.023)
     loss = 0.173 - 190 * 0.023 / 55  # 93.5 ms beyond plain for the same tokens
@@ -119,7 +119,7 @@ def test_probe_spacing_weighs_a_probes_time_beyond_the_better_choice():
 def test_a_heavier_load_never_drafts_while_a_lighter_one_finds_drafting_slower():
     """Drafting pays less the more requests share a step: above a load where it measured slower, steps do not draft,
     not even to probe, until that load's own probes find drafting faster again."""
-    g = warmed(8, probe_every=4, probe_cost=0.05, decay=0.5)
+    g = warmed(8, probe_every=4, probe_cost=0.05, decay=0.5, trust=1)
     g.record(8, True, tokens=16, seconds=0.030)  # drafting at 8-15 requests: 533 tokens/s
     g.record(8, False, tokens=8, seconds=0.008)  # plain: 1,000 tokens/s
     every = g.spacing(g.bucket(8))
@@ -134,6 +134,34 @@ def test_a_heavier_load_never_drafts_while_a_lighter_one_finds_drafting_slower()
     for _ in range(3):
         g.record(8, True, tokens=60, seconds=0.010)  # ... and finds drafting faster now
     assert g.draft(20) is True  # the heavier load measures drafting again (nearest load: it pays)
+
+
+def test_an_average_of_few_samples_is_probed_often_and_bounds_no_heavier_load():
+    """One slow early drafted step (a drafter's first shapes) must not decide a load: until each choice has `trust`
+    samples the other is retried every probe_every steps, and the load does not keep heavier ones plain."""
+    def gate(trust: int) -> DraftGate:
+        g = warmed(1, probe_every=4, probe_cost=0.02, trust=trust)
+        g.record(1, True, tokens=2, seconds=0.012)  # drafting's first counted step: 167 tokens/s
+        for _ in range(5):
+            g.record(1, False, tokens=1, seconds=0.002)  # plain: 500 tokens/s
+        for drafted in (True, False):  # 16-31 requests: drafting measured faster there
+            for tokens, seconds in ((1, 1.0), (80, 0.020), (80, 0.020), (80, 0.020)):  # a warm-up, then 4,000 tok/s
+                g.record(20, drafted, tokens if drafted else 20, seconds if drafted else 0.010)
+        return g
+
+    assert gate(trust=1).draft(20) is False  # trusted, the lighter load's verdict keeps heavier ones plain
+    g = gate(trust=3)
+    assert g.draft(20) is True  # one sample bounds nothing: the heavier load follows its own averages
+    assert g.spacing(g.bucket(1)) > 12  # trusted, this average would be retried every 25 steps, not every 4
+    picks = []
+    for _ in range(12):
+        picks.append(g.draft(1))
+        if picks[-1]:
+            g.record(1, True, tokens=5, seconds=0.004)  # drafting really makes 1,250 tokens/s
+        else:
+            g.record(1, False, tokens=1, seconds=0.002)
+    assert picks[:4] == [False, False, False, True]  # retried at probe_every...
+    assert picks[7:11] == [True] * 4  # ... until its average (the first samples weigh alike) shows it pays
 
 
 def test_a_heavier_load_measures_drafting_first_where_a_lighter_one_found_it_faster():
@@ -160,7 +188,7 @@ def test_a_probe_refreshes_an_estimate_that_has_aged():
         if g.rates[(b, False)] > g.rates[(b, True)]:
             break
     assert probes <= 2  # the first two plain probes find it faster
-    fresh = warmed(8, decay=0.9)
+    fresh = warmed(8, decay=0.9, trust=1)
     fresh.record(8, True, tokens=16, seconds=0.020)
     fresh.record(8, True, tokens=0, seconds=0.020)  # a choice seen every step keeps the plain decay
     assert abs(fresh.sums[(fresh.bucket(8), True)][0] - 0.9 * 16) < 1e-9

@@ -45,12 +45,17 @@ class DraftGate:
     # 9 at 2,200); with 10 steps of memory the gate chased it, went plain for a poor stretch and learnt of a good
     # one only at its next probe, losing 10-15% of drafting's speedup at one client.
     decay: float = 0.98
+    # Samples a choice needs at a load before its average is trusted: until then the other choice is retried every
+    # `probe_every` steps and the load sets no bound for heavier ones. One slow early sample (a drafter's first
+    # shapes) kept the MTP drafter's dspark arm plain for a whole bench, and with it every heavier load.
+    trust: int = 3
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     warm: set[tuple[int, bool]] = field(default_factory=set)  # choices whose warm-up step was seen, per bucket
     steps: dict[int, int] = field(default_factory=dict)  # decisions made per load bucket
     recorded: dict[int, int] = field(default_factory=dict)  # steps recorded per load bucket
     last: dict[tuple[int, bool], int] = field(default_factory=dict)  # `recorded` at each choice's last record
+    samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # steps counted per (load bucket, choice)
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -73,7 +78,11 @@ class DraftGate:
             # the nearest load measured found drafting slower: plain first, drafting after that load's spacing
             return plain is not None and n % self.spacing(near) == 0
         best = self._pays(b)
-        return (not best) if n % self.spacing(b) == 0 else best
+        every = self.spacing(b) if self._trusted(b) else self.probe_every
+        return (not best) if n % every == 0 else best
+
+    def _trusted(self, bucket: int) -> bool:
+        return min(self.samples.get((bucket, True), 0), self.samples.get((bucket, False), 0)) >= self.trust
 
     def _pays(self, bucket: int) -> bool:
         """Whether drafting is the better choice at a load with both measured: faster than plain by `margin`."""
@@ -95,8 +104,8 @@ class DraftGate:
         return max(self.probe_every, math.ceil(loss / (self.probe_cost * s_best)))
 
     def _slower_below(self, bucket: int) -> bool:
-        """Whether a lighter load, both choices measured, found drafting slower."""
-        return any(b < bucket and (b, not drafted) in self.sums and not self._pays(b) for b, drafted in self.sums)
+        """Whether a lighter load, both choices' averages trusted, found drafting slower."""
+        return any(b < bucket and self._trusted(b) and not self._pays(b) for b, _ in self.sums)
 
     def _nearest(self, bucket: int) -> int | None:
         """The nearest other load with both choices measured, the heavier one on a tie (where it found drafting
@@ -129,9 +138,12 @@ class DraftGate:
             # `clip` times the average: counted whole, it makes plain's average 2.5x slower, enough to flip the
             # choice (that server drafted the next three steps at that load).
             seconds = min(seconds, self.clip * old[1])
+        self.samples[key] = self.samples.get(key, 0) + 1
         n = self.recorded[key[0]] = self.recorded.get(key[0], 0) + 1
         age, self.last[key] = n - self.last.get(key, n - 1), n
         d = max(self.decay**age, min(self.decay, 0.5))
+        if self.samples[key] <= self.trust:  # the first samples weigh alike (a plain mean): no one of them decides
+            d = min(d, 1 - 1 / self.samples[key])
         self.sums[key] = (tokens, seconds) if old is None else (d * old[0] + (1 - d) * tokens,
                                                                  d * old[1] + (1 - d) * seconds)
 
