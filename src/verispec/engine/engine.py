@@ -13,6 +13,10 @@ rows as a tree (model.fused), so a node gets a one-token step's logits. Verifica
 chains in one batched call, sampled trees in one per kind of q, greedy trees and sampled chains one by one. The
 dspark policy cuts chains only; a tree is verified whole.
 
+The draft gate (gate.py) decides per step whether dspark requests draft at all. While it keeps them plain, a drafter
+whose context may have gaps (`Capabilities.context_gaps`, a windowed block drafter) is handed no hidden rows; only
+the latest anchor's row is kept (`Request.resume_rows`), and its context restarts there when drafting resumes.
+
 KV on demand: a request's cache starts at its prompt plus one draft round and grows by `kv_block` positions;
 the pool (`cache_budget_tokens`) is the sum of what running caches hold. When it runs short the newest running
 request is preempted (recompute, as vLLM does by default): its cache and its drafter's state are freed, it
