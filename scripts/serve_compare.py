@@ -2,14 +2,15 @@
 
     python scripts/serve_compare.py --clients 1,8,32,64 --out reports/serve-zen5
 
-Each arm is a server process on 127.0.0.1 (verispec plain, verispec with the DSpark drafter and policy, llama-server
-on the target's bf16 GGUF with continuous batching, restarted per load with one slot per client); C clients each send their next
-`/v1/completions` request (greedy, ignore_eos, non-streaming) when the last one returns, over the last 600
-characters of the code task prompts. Per arm and C: aggregate tokens/s (completion tokens over the wall time) and
-per-user tokens/s (each request's completion tokens over its latency, averaged); arms in turn per C, their order
-reversed every other repeat, medians over repeats. Beside it, in each repeat right before the servers' runs at one client, the library's own decoding
-(plain and DSpark, one request at a time, in a process of its own) on the prompts one client sends: the reference for
-"the server at 1 client", as per-repeat ratios. Needs `bash scripts/llamacpp.sh` for the llama-server arm.
+Each arm is a server process on 127.0.0.1 (verispec plain, verispec with the DSpark drafter and policy,
+llama-server on the target's bf16 GGUF with continuous batching, restarted per load with one slot per client); C
+clients each send their next `/v1/completions` request (greedy, ignore_eos, non-streaming) when the last one
+returns, over the last 600 characters of the code task prompts. Per arm and C: aggregate tokens/s (completion
+tokens over the wall time) and per-user tokens/s (each request's completion tokens over its latency, averaged);
+arms in turn per C, their order reversed every other repeat, medians over repeats. Beside it, in each repeat right
+before the servers' runs at one client, the library's own decoding (plain and DSpark, one request at a time, in a
+process of its own) on the prompts one client sends: the reference for "the server at 1 client", as per-repeat
+ratios. Needs `bash scripts/llamacpp.sh` for the llama-server arm.
 """
 
 from __future__ import annotations
