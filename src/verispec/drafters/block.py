@@ -114,7 +114,7 @@ class BlockDrafter(Drafter):
 
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         known = self.context_length(seq_id)
-        if start != known and not (start > known and self.window):
+        if start != known and not (start > known and self.capabilities.context_gaps):
             raise ValueError(f"context cache holds {known} positions, new rows start at {start}")
         if start > known:  # a gap (the engine skipped rows while drafting did not pay): the context restarts here
             self._ctx.pop(seq_id, None)

@@ -14,9 +14,9 @@ the steps take 19% of the time).
 
 Drafting pays less the more requests share a step (each verified token costs real compute once the step is
 compute-bound), so a load heavier than one where drafting measured slower does not draft at all, not even to probe:
-the lighter load's probes find out when drafting pays again (a drafted step at 32 requests took ~3x a plain one,
-and its warm-up, first measurement and probes, 8 of 319 steps, cost the dspark server ~8% against plain through
-HTTP, Zen 5). A load is not measured from scratch where the nearest load measured found drafting slower either: it
+the lighter load's probes find out when drafting pays again (the DSpark drafter alone took 83 ms a step at 32
+requests against a 9.7 ms plain step, README; the warm-up, first measurement and probes at 32 clients were 8 of 319
+steps in serve-compare run 11). A load is not measured from scratch where the nearest load measured found drafting slower either: it
 starts plain, and its first drafted step waits for that load's probe spacing. (A closed loop's tail drains through
 every lighter load; measuring each by drafting first cost two drafted steps apiece, 67 ms against a plain step's 8 at
 15 requests.)
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 class DraftGate:
     probe_every: int = 16  # the most often the other choice is retried
     # The share of time probing may cost (see spacing). It is what the dspark policy loses to plain at a load where
-    # drafting never pays: at 0.05, 8 clients in process lost ~5% to probes (a drafted step 26 ms for 25 tokens,
-    # plain 5.3 ms for 8); at 0.02 a probe comes every ~85 steps there, about every half second.
+    # drafting never pays: at 0.05, 8 clients in process lost 3-5% to probes (a drafted step 26 ms for 25 tokens,
+    # plain 5.3 ms for 8); at 0.02 a probe comes every ~85 steps there (9 ms lost / (0.02 x 5.3 ms)).
     probe_cost: float = 0.02
     # Drafting must beat plain by this factor to be chosen: plain is the safe choice. Through the server at 8 clients
     # drafting runs at ~0.9x plain by the gate's own averages, near enough that noise flipped the choice without it
