@@ -40,10 +40,12 @@ def _randomize(model, seed: int, std: float):
     return model.eval()
 
 
-def make_feature(target, kind="eagle", window=0, seed=1, std=0.2) -> FeatureDraftModel:
+def make_feature(target, kind="eagle", window=0, seed=1, std=0.2, packed=False) -> FeatureDraftModel:
+    """packed: prepared as loading prepares it (fused, packed matmuls), so it drafts by the one-call native step."""
     n = target.config.num_hidden_layers
     layers = (n,) if kind == "mtp" else (0, 1, n)
-    return _randomize(FeatureDraftModel(target.config, FeatureConfig(kind, layers, window)), seed, std)
+    model = _randomize(FeatureDraftModel(target.config, FeatureConfig(kind, layers, window)), seed, std)
+    return model.prepare_inference() if packed else model
 
 
 def make_medusa(target, heads=3, seed=1, std=0.2) -> MedusaHeads:
@@ -52,10 +54,10 @@ def make_medusa(target, heads=3, seed=1, std=0.2) -> MedusaHeads:
     return _randomize(MedusaHeads(target.config, cfg), seed, std)
 
 
-def drafter_for(kind: str, target, tree: TreeConfig, window: int = 0, std: float = 0.2):
+def drafter_for(kind: str, target, tree: TreeConfig, window: int = 0, std: float = 0.2, packed: bool = False):
     if kind == "medusa":
         return MedusaDrafter(make_medusa(target, std=std), target, tree)
-    return FeatureDrafter(make_feature(target, kind, window, std=std), target, tree)
+    return FeatureDrafter(make_feature(target, kind, window, std=std, packed=packed), target, tree)
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +70,15 @@ def plain(target):
     return [decode(target, p, GREEDY).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa"])
+@pytest.mark.parametrize("kind,packed", [("eagle", False), ("eagle", True), ("mtp", False), ("mtp", True),
+                                         ("medusa", False)])
 @pytest.mark.parametrize("shape", list(TREES))
 @pytest.mark.parametrize("k", [1, 5])
-def test_greedy_equals_plain(kind, shape, k, target, plain):
+def test_greedy_equals_plain(kind, packed, shape, k, target, plain):
+    """packed: the feature drafters' native step (model.fused.FusedFeature) drafts; else their torch path."""
     for window in ((0, 4) if kind != "medusa" else (0,)):
         for prompt, ref in zip(PROMPTS, plain):
-            drafter = drafter_for(kind, target, TREES[shape], window)
+            drafter = drafter_for(kind, target, TREES[shape], window, packed=packed)
             out = decode(target, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=k))
             assert out.token_ids == ref, (window, prompt)
             assert out.stats.num_drafts > 0 or len(prompt) == 1
@@ -130,11 +134,12 @@ def _fresh(model, target, tokens: list[int], tree: TreeConfig) -> FeatureDrafter
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_drafter_state_after_rounds_and_rollback_equals_recomputation(window, shape, target):
+@pytest.mark.parametrize("packed", [False, True])
+def test_drafter_state_after_rounds_and_rollback_equals_recomputation(window, shape, packed, target):
     """After verified rounds (a tree's accepted branch included) and rollbacks, the drafter's committed entries
     equal those of a drafter that saw the committed tokens in one prefill, at the same positions; without a window
-    its next draft is the same too."""
-    model = make_feature(target, "eagle", window)
+    its next draft is the same too. packed: the caches are written by the native step."""
+    model = make_feature(target, "eagle", window, packed=packed)
     drafter = FeatureDrafter(model, target, TREES[shape], context_window=window)
     prompt = PROMPTS[1]
     ref = decode(target, prompt, SamplingParams(max_tokens=30, ignore_eos=True)).token_ids
@@ -223,12 +228,15 @@ def _follows_target(samples: np.ndarray, stat_target) -> bool:
     return True
 
 
-@pytest.mark.parametrize("kind,shape", [("eagle", "chain"), ("mtp", "chain"), ("eagle", "wide"),
-                                        ("medusa", "chain"), ("medusa", "wide")])
-def test_sampled_output_follows_the_target(kind, shape, stat_target):
+@pytest.mark.parametrize("kind,shape,packed", [("eagle", "chain", False), ("eagle", "chain", True),
+                                               ("mtp", "chain", False), ("mtp", "chain", True),
+                                               ("eagle", "wide", False), ("eagle", "wide", True),
+                                               ("medusa", "chain", False), ("medusa", "wide", False)])
+def test_sampled_output_follows_the_target(kind, shape, packed, stat_target):
     """A5 through the engine: sampled chains (q from the drafter) and trees (point masses, recursive rejection
-    sampling) give consecutive output pairs that follow the target's exact joints."""
-    drafter = drafter_for(kind, stat_target, TREES[shape], std=0.5)
+    sampling) give consecutive output pairs that follow the target's exact joints, on the feature drafters' torch
+    path and on their native step (packed)."""
+    drafter = drafter_for(kind, stat_target, TREES[shape], std=0.5, packed=packed)
     engine, samples = _engine_samples(drafter, stat_target, k=4 if shape == "wide" else 2)
     assert 0 < engine.metrics.num_accepted_tokens < engine.metrics.num_draft_tokens
     assert _follows_target(samples, stat_target)

@@ -30,8 +30,10 @@ from verispec.drafters.files import check_state, check_target, read_drafter_meta
 from verispec.drafters.model import TREE_OPTIONS, tree_config
 from verispec.drafters.tree import DynamicTree, TreeCalibration, frontier_mask, node_q
 from verispec.errors import CheckpointError, ConfigError
+from verispec.kernels import native
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
-from verispec.model.packing import PackedWeight, pack
+from verispec.model.fused import FusedFeature
+from verispec.model.packing import PackedLinear, PackedWeight, pack
 from verispec.model.transformer import Transformer
 from verispec.sampling import sample
 
@@ -57,6 +59,8 @@ class FeatureDrafter(Drafter):
         self._entered: dict[int, torch.Tensor] = {}  # per sequence: features [cache.length, d] of its entries
         # (lm_head weight, its draft-vocab rows in the drafter's dtype, their packed copy)
         self._head: tuple[torch.Tensor, torch.Tensor, PackedWeight | None] | None = None
+        self._fused: tuple[tuple, FusedFeature | None] | None = None  # (the _head it was made with, the step)
+        self._ids = None if self.draft_vocab is None else self.draft_vocab.tolist()  # draft row -> token id
         self.calibration = TreeCalibration()  # learnt from every verified tree; ranks "calibrated" trees
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -131,27 +135,30 @@ class FeatureDrafter(Drafter):
                 budgets[i], shapes[i] = budget, shape
         if not live:
             return drafts
-        states = dict(zip(live, self._enter_pending([requests[i] for i in live])))
+        g, logits = self._enter_pending([requests[i] for i in live])
+        at = {i: row for row, i in enumerate(live)}
         committed = {i: self._caches[requests[i].seq_id].length for i in live}
         try:
             chains = [i for i in live if not (shapes[i].enabled and budgets[i] > 1)]
             if chains:
-                for i, d in zip(chains, self._chains([requests[i] for i in chains], [states[i] for i in chains],
+                rows = [at[i] for i in chains]
+                for i, d in zip(chains, self._chains([requests[i] for i in chains], g[rows], logits[rows],
                                                      [budgets[i] for i in chains])):
                     drafts[i] = d
             for i in live:
                 if i not in chains:
                     r = requests[i]
-                    drafts[i] = self._tree(r, states[i], budgets[i], self._caches[r.seq_id], shapes[i])
+                    drafts[i] = self._tree(r, g[at[i]], logits[at[i] : at[i] + 1], budgets[i],
+                                           self._caches[r.seq_id], shapes[i])
                     self.calibration.proposed(r.seq_id, drafts[i])
         finally:
             for i in live:
                 self._caches[requests[i].seq_id].truncate(committed[i])  # draft entries never stay
         return drafts
 
-    def _enter_pending(self, requests: list[DraftRequest]) -> list[torch.Tensor]:
-        """Commit each request's pending entries (one packed forward); per request the output state [d] of its
-        anchor's entry (the last one)."""
+    def _enter_pending(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit each request's pending entries (one packed forward); per request the output state of its anchor's
+        entry (the last one), [R, d], and its draft-vocabulary logits, [R, V']."""
         feats, toks, caches = [], [], []
         for r in requests:
             cache, pending = self._caches[r.seq_id], self._pending[r.seq_id]
@@ -176,62 +183,108 @@ class FeatureDrafter(Drafter):
             toks.extend(r.tokens[first + 1 : anchor + 1])
             caches.append(cache)
         lengths = [f.shape[0] for f in feats]
-        g = self._packed_step(caches, lengths, torch.tensor(toks, device=self.target.device), torch.cat(feats))
-        return list(g[torch.tensor(lengths).cumsum(0) - 1])
+        last = torch.tensor(lengths).cumsum(0) - 1
+        logits, g = self._packed_step(caches, lengths, torch.tensor(toks, device=self.target.device),
+                                      torch.cat(feats), last)
+        return g[last], logits
 
-    def _packed_step(self, caches: list[KVCache], lengths: list[int], tokens: torch.Tensor,
-                     feats: torch.Tensor) -> torch.Tensor:  # tokens [N], feats [N, d] -> [N, d]
+    def _packed_step(self, caches: list[KVCache], lengths: list[int], tokens: torch.Tensor, feats: torch.Tensor,
+                     logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # tokens [N], feats [N, d], logit_rows [M] -> draft-vocabulary logits [M, V'] fp32, output states [N, d]
         """Entries appended to their caches (lengths[i] of them to caches[i], in order), causal after each one's
-        rows, in one forward; their output states."""
+        rows, in one forward (one native call where it applies); the logits of `logit_rows` and every output state."""
+        fused = self._native()
+        if fused is not None and FusedFeature.takes(caches):
+            logits, g = fused.step(tokens, feats.contiguous(), caches, lengths, logit_rows)
+            return logits.float(), g
         u = self.model.inputs(self.target.model.embed_tokens, tokens[None], feats[None])
         if len(caches) == 1:
             cache = caches[0]
             pos = torch.arange(cache.next_position, cache.next_position + lengths[0], device=tokens.device)
-            return self.model.step(u, pos, cache, None)[0]
-        return self.model.step_packed(u, caches, lengths)[0]
+            g = self.model.step(u, pos, cache, None)[0]
+        else:
+            g = self.model.step_packed(u, caches, lengths)[0]
+        return self._head_logits(g[logit_rows.to(g.device)]), g
 
-    def _chains(self, requests: list[DraftRequest], states: list[torch.Tensor], budgets: list[int]) -> list[Draft]:
-        """The requests' chains, advancing together: per drafted position one head over the live rows and one
-        packed forward of their next entries (reading the token just drafted and the last output state)."""
+    def _chains(self, requests: list[DraftRequest], g: torch.Tensor, logits: torch.Tensor,
+                budgets: list[int]) -> list[Draft]:  # g [R, d], logits [R, V'] of the anchors' entries
+        """The requests' chains, advancing together: per drafted position one packed forward of the live requests'
+        next entries (reading the token just drafted and the last output state), with their head."""
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[torch.Tensor]] = [[] for _ in requests]
         conf: list[list[float]] = [[] for _ in requests]
-        live, g = list(range(len(requests))), torch.stack(states)  # g [len(live), d]
+        live = list(range(len(requests)))
         for step in range(max(budgets)):
-            logits = self._logits(g)  # [len(live), V]
+            # greedy rows read the draft vocabulary's own softmax (the full one is zero elsewhere)
+            top, best = logits.softmax(dim=-1).max(dim=-1)
+            top, best = top.tolist(), best.tolist()
             picked = []
             for row, i in enumerate(live):
                 r = requests[i]
-                q = node_q(logits[row : row + 1], r.params)[0]
-                x = int(logits[row].argmax()) if r.params.greedy else int(sample(q, r.generator))
-                tokens[i].append(x)
-                conf[i].append(float(q[x]))
-                if not r.params.greedy:
+                if r.params.greedy:
+                    x, p = self._token(best[row]), top[row]
+                else:
+                    q = node_q(self._full(logits[row : row + 1]), r.params)[0]
+                    x = int(sample(q, r.generator))
+                    p = float(q[x])
                     rows[i].append(q)
+                tokens[i].append(x)
+                conf[i].append(p)
                 picked.append(x)
             going = [row for row, i in enumerate(live) if budgets[i] > step + 1]
             if not going:
                 break
             caches = [self._caches[requests[live[row]].seq_id] for row in going]
             x = torch.tensor([picked[row] for row in going], device=g.device)
-            g = self._packed_step(caches, [1] * len(going), x, g[going])
+            if len(going) < len(live):
+                g = g[going]
+            logits, g = self._packed_step(caches, [1] * len(going), x, g, torch.arange(len(going)))
             live = [live[row] for row in going]
         return [Draft.chain(t, torch.stack(q) if q else None, torch.tensor(c)) for t, q, c in zip(tokens, rows, conf)]
 
-    def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V] fp32, -inf outside the draft vocab
+    def _token(self, row: int) -> int:
+        return row if self._ids is None else self._ids[row]
+
+    def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor, PackedWeight | None]:
+        """(the target's lm_head weight, its draft-vocabulary rows in the drafter's dtype, their pack), remade when
+        the target's head is another tensor."""
         weight = self.target.lm_head.weight
         if self._head is None or self._head[0] is not weight:
             rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
             rows = rows.to(self.model.dtype).contiguous()
             self._head = (weight, rows, pack(rows))
-        small = self.model.logits(g, self._head[1], self._head[2])
+        return self._head
+
+    def _native(self) -> FusedFeature | None:
+        """The one-call native step (model.fused.FusedFeature) where it applies: a packed drafter on CPU."""
+        head = self._head_weights()
+        if self._fused is None or self._fused[0] is not head:
+            cfg, w_in = self.target.config, self.model.w_in
+            packed = (head[2] is not None and isinstance(w_in, PackedLinear) and w_in.packed is not None
+                      and self.model.layer.mlp.gate_up_packed is not None)
+            fused = None
+            if packed and cfg.head_dim % 8 == 0 and cfg.head_dim <= 256 and native.available():
+                fused = FusedFeature(self.model, self.target.model.embed_tokens.weight, head[2], [head[0], head[1]])
+            self._fused = (head, fused)
+        fused = self._fused[1]
+        return fused if fused is not None and fused.usable() else None
+
+    def _head_logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V'] fp32, the draft vocabulary's
+        _, rows, packed = self._head_weights()
+        return self.model.logits(g, rows, packed)
+
+    def _full(self, small: torch.Tensor) -> torch.Tensor:  # [F, V'] -> [F, V], -inf outside the draft vocabulary
         if self.draft_vocab is None:
             return small
         full = small.new_full((small.shape[0], self.target.config.vocab_size), float("-inf"))
         full[:, self.draft_vocab] = small
         return full
 
-    def _tree(self, r: DraftRequest, g: torch.Tensor, budget: int, cache: KVCache, shape: TreeConfig) -> Draft:
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V] fp32, -inf outside the draft vocab
+        return self._full(self._head_logits(g))
+
+    def _tree(self, r: DraftRequest, g: torch.Tensor, logits: torch.Tensor, budget: int, cache: KVCache,
+              shape: TreeConfig) -> Draft:  # g [d], logits [1, V'] of the anchor's entry
         """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
         and its own token at position anchor + depth - 1) over the committed entries and its ancestors'."""
         tree = DynamicTree(shape, budget, self.calibration if shape.rank == "calibrated" else None)
@@ -239,7 +292,7 @@ class FeatureDrafter(Drafter):
         committed, anchor = cache.length, len(r.tokens) - 1
         state: dict[int, torch.Tensor] = {-1: g}  # node -> output state of its entry (-1: the anchor's)
         row: dict[int, int] = {}  # node -> its cache row
-        frontier = tree.grow([-1], node_q(self._logits(g[None]), r.params))
+        frontier = tree.grow([-1], node_q(self._full(logits), r.params))
         while frontier:
             nodes = [tree.nodes[n] for n in frontier]
             mask = frontier_mask(tree, frontier, row, cache.length, committed)

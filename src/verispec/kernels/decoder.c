@@ -47,12 +47,18 @@ typedef struct {
     int64_t layers, d, heads, kv_heads, head_dim, ffn, vocab, max_pos;
     float eps;
     int32_t act_bf16;                /* bf16 model: round activations as the torch path does */
-    const void *embed;               /* [vocab, d], bf16 bits (act_bf16) or fp32 */
+    const void *embed;               /* [vocab, d], bf16 bits (embed_bf16) or fp32 */
+    int32_t embed_bf16;
     const float *final_norm;         /* [d] */
-    const void *lm_head;             /* packed [vocab, d] */
+    const void *lm_head;             /* packed [head_rows, d] */
     int32_t lm_head_bf16;
+    int64_t head_rows;               /* logits per row: vocab for a target, a draft vocabulary's size for a drafter */
     const float *cos, *sin;          /* [max_pos, head_dim] fp32, sin signed as in layers.RotaryEmbedding */
     const vs_layer *layer;           /* [layers] */
+    /* a feature drafter's input stage (model/feature.py; w_in.data NULL for a target): row r's input is
+     * w_in [enorm(E[token_r]) ; fnorm(feat_r)] instead of E[token_r] */
+    const float *enorm, *fnorm;      /* [d] */
+    vs_weight w_in;                  /* [d, 2 d] */
 } vs_model;
 
 typedef struct {
@@ -130,19 +136,22 @@ static const void *mm_input(const float *x, int64_t n, int bf16, uint16_t *bits)
     return bits;
 }
 
-/* tokens: [N] ids (checked by the caller); seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers,
- * each NULL or an [N, d] output in the activation dtype (0: the embedding, l: decoder layer l's output); logit_rows:
- * [n_logits] rows whose final-norm LM-head logits go to logits [n_logits, vocab] in the activation dtype.
+/* tokens: [N] ids (checked by the caller); feats: [N, d] fp32 features where the model has an input stage, else
+ * NULL; seqs: nseq sequences whose rows sum to N; hidden: layers + 1 pointers, each NULL or an [N, d] output in the
+ * activation dtype (0: the embedding or the input stage's output, l: decoder layer l's output); logit_rows:
+ * [n_logits] rows whose final-norm LM-head logits go to logits [n_logits, head_rows] in the activation dtype.
  * Returns 0, -1 out of memory, -2 bad shapes, -3 a token id out of range, -4 a logit row out of range (both checked
  * before anything is written), or the first failing kernel's code. qlin: qgemm.c's vs_qlinear, or NULL where
  * no weight is quantized. */
-int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, const vs_seq *seqs, int64_t nseq,
+int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *feats, int64_t N, const vs_seq *seqs,
+                       int64_t nseq,
                        void *const *hidden, const int64_t *logit_rows, int64_t n_logits, void *logits, int threads,
                        vs_qlinear_fn qlin) {
     const int64_t d = m->d, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, F = m->ffn;
     const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
     const int bf16 = m->act_bf16;
-    if (N <= 0 || D % 8 != 0 || D > 256 || Hkv <= 0 || H % Hkv != 0) return -2;
+    const int staged = m->w_in.data != NULL;
+    if (N <= 0 || D % 8 != 0 || D > 256 || Hkv <= 0 || H % Hkv != 0 || staged != (feats != NULL)) return -2;
     int64_t total = 0;
     for (int64_t s = 0; s < nseq; s++) {
         if (seqs[s].rows < 0 || seqs[s].cached < 0 || seqs[s].cached + seqs[s].rows > seqs[s].capacity ||
@@ -162,13 +171,16 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         if (tokens[r] < 0 || tokens[r] >= m->vocab) return -3;
     for (int64_t i = 0; i < n_logits; i++)
         if (logit_rows[i] < 0 || logit_rows[i] >= N) return -4;
-    const int64_t widest = nqkv > 2 * F ? nqkv : 2 * F;
+    int64_t widest = nqkv > 2 * F ? nqkv : 2 * F;
+    if (widest < 2 * d) widest = 2 * d; /* the input stage's [enorm(e) ; fnorm(f)] */
     float *x = (float *)malloc((size_t)(N * d) * sizeof(float));
     float *h = (float *)malloc((size_t)(N * (d > nq ? d : nq)) * sizeof(float));
     float *big = (float *)malloc((size_t)(N * widest) * sizeof(float)); /* qkv, then gate/up */
     float *q = (float *)malloc((size_t)(N * nq) * sizeof(float));
     float *att = (float *)malloc((size_t)(N * nq) * sizeof(float));
-    uint16_t *bits = (uint16_t *)malloc((size_t)(N * (F > nq ? (F > d ? F : d) : (nq > d ? nq : d))) * 2);
+    int64_t in_widest = F > nq ? F : nq; /* the widest matmul input: gate/up's, attention's or the input stage's */
+    if (in_widest < 2 * d) in_widest = 2 * d;
+    uint16_t *bits = (uint16_t *)malloc((size_t)(N * in_widest) * 2);
     float *cs = (float *)malloc((size_t)(2 * N * D) * sizeof(float)); /* each row's cos, sin */
     int rc = 0;
     if (!x || !h || !big || !q || !att || !bits || !cs) {
@@ -177,12 +189,24 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
     }
     for (int64_t r = 0; r < N; r++) {
         const int64_t t = tokens[r];
-        if (bf16) {
+        if (m->embed_bf16) {
             const uint16_t *e = (const uint16_t *)m->embed + t * d;
             for (int64_t i = 0; i < d; i++) x[r * d + i] = bf16_value(e[i]);
         } else {
             memcpy(x + r * d, (const float *)m->embed + t * d, (size_t)d * sizeof(float));
         }
+        if (!m->embed_bf16 && bf16) round_all(x + r * d, d, 1); /* the torch path's cast to the model's dtype */
+    }
+    if (staged) { /* x = w_in [enorm(x) ; fnorm(feats)], as FeatureDraftModel.inputs */
+        for (int64_t r = 0; r < N; r++) {
+            rmsnorm(x + r * d, m->enorm, d, m->eps, bf16, big + r * 2 * d);
+            for (int64_t i = 0; i < d; i++) h[i] = act(bf16, feats[r * d + i]);
+            rmsnorm(h, m->fnorm, d, m->eps, bf16, big + r * 2 * d + d);
+        }
+        if ((rc = weight_matmul(&m->w_in, qlin, mm_input(big, N * 2 * d, bf16, bits), bf16, N, 2 * d, NULL, d, x,
+                                threads)))
+            goto done;
+        round_all(x, N * d, bf16);
     }
     for (int64_t s = 0, r = 0; s < nseq; r += seqs[s].rows, s++)
         for (int64_t t = 0; t < seqs[s].rows; t++) {
@@ -253,7 +277,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, int64_t N, cons
         for (int64_t i = 0; i < n_logits; i++)
             rmsnorm(x + logit_rows[i] * d, m->final_norm, d, m->eps, bf16, h + i * d);
         rc = vs_linear(mm_input(h, n_logits * d, bf16, bits), bf16, n_logits, d, d, m->lm_head, m->lm_head_bf16, NULL,
-                       m->vocab, logits, bf16, threads);
+                       m->head_rows, logits, bf16, threads);
     }
 done:
     free(x);

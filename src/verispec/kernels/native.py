@@ -124,7 +124,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
         "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, ptr, i64, i64, i64, i64,
                                   ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
-        "vs_decoder_forward": (cint, [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint, ptr]),
+        "vs_decoder_forward": (cint, [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint, ptr]),
         "vs_isa": (cint, []),
     }
     for name, (res, args) in sigs.items():
@@ -613,8 +613,10 @@ class ModelDesc(ctypes.Structure):  # decoder.c's vs_model
     _fields_ = [(name, ctypes.c_int64) for name in ("layers", "d", "heads", "kv_heads", "head_dim", "ffn", "vocab",
                                                      "max_pos")] + [
         ("eps", ctypes.c_float), ("act_bf16", ctypes.c_int32), ("embed", ctypes.c_void_p),
-        ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("lm_head_bf16", ctypes.c_int32),
-        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layer", ctypes.POINTER(LayerDesc))]
+        ("embed_bf16", ctypes.c_int32), ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+        ("lm_head_bf16", ctypes.c_int32), ("head_rows", ctypes.c_int64), ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p), ("layer", ctypes.POINTER(LayerDesc)), ("enorm", ctypes.c_void_p),
+        ("fnorm", ctypes.c_void_p), ("w_in", WeightDesc)]
 
 
 class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
@@ -654,15 +656,29 @@ class DecoderLayerWeights:
     k_norm: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class InputStage:
+    """A feature drafter's input stage (model/feature.py): row r's input is w_in [enorm(E[x_r]) ; fnorm(f_r)]."""
+
+    enorm: torch.Tensor  # fp32 [d]
+    fnorm: torch.Tensor  # fp32 [d]
+    w_in: Packed | QPacked  # [d, 2 d]
+
+
 class Decoder:
     """A decoder's weights described for decoder.c, checked once here (dtypes, devices, contiguity, every packed
-    shape against the dimensions); keeps a reference to every tensor it points at."""
+    shape against the dimensions); keeps a reference to every tensor it points at. The activations are in `dtype`
+    (default: the embedding's); the LM head may have fewer rows than the vocabulary (a draft vocabulary)."""
 
     def __init__(self, dims: tuple[int, int, int, int, int, int], eps: float, embed: torch.Tensor,
                  layers: list[DecoderLayerWeights], final_norm: torch.Tensor, lm_head: Packed,
-                 rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype | None = None,
+                 input_stage: InputStage | None = None) -> None:
         d, h, hkv, hd, ffn, vocab = dims
         cos, sin = rope
+        dtype = embed.dtype if dtype is None else dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"native decoder: activations in fp32 or bf16, got {dtype}")
         _cpu(embed, "decoder embedding", (torch.float32, torch.bfloat16))
         if embed.shape != (vocab, d) or not embed.is_contiguous():
             raise ValueError(f"native decoder: embedding must be a contiguous [{vocab}, {d}]")
@@ -691,19 +707,32 @@ class Decoder:
                 raise ValueError(f"native decoder: layer {i} norms must be contiguous fp32 [d] (and [D] for q/k)")
             descs.append(LayerDesc(*(WeightDesc.of(getattr(lw, name)) for name in shapes), _ptr(lw.qkv_bias),
                                    _ptr(lw.o_bias), _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.q_norm), _ptr(lw.k_norm)))
-        if final_norm.shape != (d,) or (lm_head.k, lm_head.n) != (d, vocab):
-            raise ValueError("native decoder: final norm [d] and LM head [vocab, d] expected")
-        self._keep = (embed, layers, final_norm, lm_head, cos, sin)
+        if final_norm.shape != (d,) or lm_head.k != d or not 0 < lm_head.n <= vocab:
+            raise ValueError("native decoder: final norm [d] and LM head [rows <= vocab, d] expected")
+        stage = (None, None, WeightDesc())
+        if input_stage is not None:
+            w_in = input_stage.w_in
+            if (w_in.k, w_in.n) != (2 * d, d) or any(
+                    t.dtype != torch.float32 or t.device.type != "cpu" or t.shape != (d,) or not t.is_contiguous()
+                    for t in (input_stage.enorm, input_stage.fnorm)):
+                raise ValueError(f"native decoder: input stage needs fp32 norms [{d}] and w_in [{d}, {2 * d}]")
+            if isinstance(w_in, QPacked):
+                _check_qpacked(w_in, "decoder input stage")
+            stage = (input_stage.enorm.data_ptr(), input_stage.fnorm.data_ptr(), WeightDesc.of(w_in))
+        self._keep = (embed, layers, final_norm, lm_head, cos, sin, input_stage)
         self._layers = (LayerDesc * len(descs))(*descs)
         self.desc = ModelDesc(len(layers), d, h, hkv, hd, ffn, vocab, cos.shape[0], eps,
-                              embed.dtype == torch.bfloat16, embed.data_ptr(), final_norm.data_ptr(),
-                              lm_head.data.data_ptr(), lm_head.bf16, cos.data_ptr(), sin.data_ptr(), self._layers)
-        self.dtype = embed.dtype
+                              dtype == torch.bfloat16, embed.data_ptr(), embed.dtype == torch.bfloat16,
+                              final_norm.data_ptr(), lm_head.data.data_ptr(), lm_head.bf16, lm_head.n, cos.data_ptr(),
+                              sin.data_ptr(), self._layers, *stage)
+        self.dtype, self.staged = dtype, input_stage is not None
         # int weights: qgemm.c's library, built now (a failure raises here, not in a forward)
-        self.quantized = any(isinstance(getattr(lw, name), QPacked) for lw in layers for name in shapes)
+        self.quantized = any(isinstance(getattr(lw, name), QPacked) for lw in layers for name in shapes) or (
+            input_stage is not None and isinstance(input_stage.w_in, QPacked))
         if self.quantized:
             _qlinear_address()
         self.num_layers, self.kv_heads, self.head_dim, self.vocab, self.d = len(layers), hkv, hd, vocab, d
+        self.head_rows = lm_head.n
 
     def forward(
         self,
@@ -712,13 +741,20 @@ class Decoder:
         # is a draft tree's (positions [rows], *tree_rows(mask, cached)) or None for causal rows
         caches: list[tuple],
         logit_rows: torch.Tensor,  # [M] int64 rows of `tokens` that need logits
-        hidden_layers: tuple[int, ...] = (),  # 0 = the embedding, l = decoder layer l's output
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}, in the model's dtype
+        hidden_layers: tuple[int, ...] = (),  # 0 = the embedding (or input stage), l = decoder layer l's output
+        feats: torch.Tensor | None = None,  # [N, d] fp32: the input stage's features (exactly where it has one)
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, head rows], {layer: [N, d]}, model's dtype
         """Every sequence's rows after its cache's `cached` entries, written to the cache (the caller commits)."""
         lib = _required()
         if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous() or tokens.device.type != "cpu":
             raise ValueError("native decoder: tokens must be a contiguous CPU int64 [N]")
         n = tokens.shape[0]  # token ids and logit rows are range-checked in C (-3, -4), before anything is written
+        if (feats is not None) != self.staged:
+            raise ValueError("native decoder: features go with an input stage, and only there")
+        if feats is not None:
+            _cpu(feats, "decoder features")
+            if feats.shape != (n, self.d) or not feats.is_contiguous():
+                raise ValueError(f"native decoder: features must be a contiguous fp32 [{n}, {self.d}]")
         if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous() or logit_rows.dim() != 1:
             raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
         seqs = (SeqDesc * max(1, len(caches)))()
@@ -758,12 +794,12 @@ class Decoder:
             raise ValueError(f"native decoder: hidden layers lie in [0, {self.num_layers}]")
         outs = (ctypes.c_void_p * (self.num_layers + 1))(
             *(hidden[i].data_ptr() if i in hidden else None for i in range(self.num_layers + 1)))
-        logits = torch.empty(logit_rows.numel(), self.vocab, dtype=self.dtype)
+        logits = torch.empty(logit_rows.numel(), self.head_rows, dtype=self.dtype)
         if n == 0:
             if logit_rows.numel():
                 raise ValueError("native decoder: logit rows must be a contiguous int64 [M] in [0, 0)")
             return logits, hidden
-        rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), n, seqs, len(caches), outs,
+        rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), _ptr(feats), n, seqs, len(caches), outs,
                                     logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
                                     torch.get_num_threads(), _qlinear_address() if self.quantized else None)
         if rc == -1:

@@ -41,40 +41,35 @@ def _quant(module: torch.nn.Module | None) -> QuantLinear | None:
     return module if isinstance(module, QuantLinear) else None
 
 
-class FusedForward:
-    """A packed model's weights described once for decoder.c: each matmul dense (model.packing) or int8/int4
-    (QuantLinear's qgemm.c pack). `usable()` is false as soon as any weight it was made from changes or moves (the
-    packs are then stale) or a gradient is wanted."""
+def _linear(lin: torch.nn.Module) -> tuple[native.Packed | native.QPacked, torch.Tensor | None, list[torch.Tensor]]:
+    """_matmul of a PackedLinear or QuantLinear module."""
+    return _matmul((getattr(lin, "weight", None), getattr(lin, "packed", None), getattr(lin, "bias", None)),
+                   _quant(lin))
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        cfg = model.config
-        layers, sources = [], [model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight]
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            o, down = attn.o_proj, mlp.down_proj
-            mats = [_matmul((attn.qkv_weight, attn.qkv_packed, attn.qkv_bias), attn.qkv_quant),
-                    _matmul((getattr(o, "weight", None), getattr(o, "packed", None), getattr(o, "bias", None)),
-                            _quant(o)),
-                    _matmul((mlp.gate_up_weight, mlp.gate_up_packed, None), mlp.gate_up_quant),
-                    _matmul((getattr(down, "weight", None), getattr(down, "packed", None), None), _quant(down))]
-            (qkv, qkv_bias, _), (o_pack, o_bias, _), (gate_up, _, _), (down_pack, _, _) = mats
-            layers.append(native.DecoderLayerWeights(
-                qkv, o_pack, gate_up, down_pack,
-                _fp32(layer.input_layernorm.weight), _fp32(layer.post_attention_layernorm.weight),
-                qkv_bias=qkv_bias, o_bias=o_bias,
-                q_norm=None if attn.q_norm is None else _fp32(attn.q_norm.weight),
-                k_norm=None if attn.k_norm is None else _fp32(attn.k_norm.weight)))
-            sources += [t for _, _, made_from in mats for t in made_from]
-            sources += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            sources += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if not isinstance(model.lm_head, PackedLinear) or model.lm_head.packed is None:
-            raise ValueError("the native forward needs a packed LM head")
-        dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                cfg.intermediate_size, cfg.vocab_size)
-        rope = model.model.rotary_emb
-        self.decoder = native.Decoder(dims, cfg.rms_norm_eps, model.model.embed_tokens.weight.detach().contiguous(),
-                                      layers, _fp32(model.model.norm.weight), model.lm_head.packed.packed,
-                                      (_fp32(rope.cos), _fp32(rope.sin)))
+
+def layer_weights(layer: torch.nn.Module) -> tuple[native.DecoderLayerWeights, list[torch.Tensor]]:
+    """A packed DecoderLayer (model.layers) for decoder.c, and the tensors its description was made from."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mats = [_matmul((attn.qkv_weight, attn.qkv_packed, attn.qkv_bias), attn.qkv_quant), _linear(attn.o_proj),
+            _matmul((mlp.gate_up_weight, mlp.gate_up_packed, None), mlp.gate_up_quant), _linear(mlp.down_proj)]
+    (qkv, qkv_bias, _), (o_pack, o_bias, _), (gate_up, _, _), (down_pack, _, _) = mats
+    weights = native.DecoderLayerWeights(
+        qkv, o_pack, gate_up, down_pack,
+        _fp32(layer.input_layernorm.weight), _fp32(layer.post_attention_layernorm.weight),
+        qkv_bias=qkv_bias, o_bias=o_bias,
+        q_norm=None if attn.q_norm is None else _fp32(attn.q_norm.weight),
+        k_norm=None if attn.k_norm is None else _fp32(attn.k_norm.weight))
+    sources = [t for _, _, made_from in mats for t in made_from]
+    sources += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    sources += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
+    return weights, sources
+
+
+class _Watched:
+    """usable() is false as soon as any tensor a native description was made from changes or moves (its packs are
+    then stale) or a gradient is wanted."""
+
+    def _watch(self, sources: list[torch.Tensor]) -> None:
         self._sources = sources
         self._versioned = [t for t in sources if not t.is_inference()]  # inference tensors keep no version
         self._key = self._state()
@@ -87,6 +82,28 @@ class FusedForward:
         if torch.is_grad_enabled() and any(t.requires_grad for t in self._sources):
             return False
         return self._state() == self._key
+
+
+class FusedForward(_Watched):
+    """A packed model's weights described once for decoder.c: each matmul dense (model.packing) or int8/int4
+    (QuantLinear's qgemm.c pack)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        cfg = model.config
+        layers, sources = [], [model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight]
+        for layer in model.model.layers:
+            weights, made_from = layer_weights(layer)
+            layers.append(weights)
+            sources += made_from
+        if not isinstance(model.lm_head, PackedLinear) or model.lm_head.packed is None:
+            raise ValueError("the native forward needs a packed LM head")
+        dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                cfg.intermediate_size, cfg.vocab_size)
+        rope = model.model.rotary_emb
+        self.decoder = native.Decoder(dims, cfg.rms_norm_eps, model.model.embed_tokens.weight.detach().contiguous(),
+                                      layers, _fp32(model.model.norm.weight), model.lm_head.packed.packed,
+                                      (_fp32(rope.cos), _fp32(rope.sin)))
+        self._watch(sources)
 
     @staticmethod
     def takes(cache: KVCache | PackedBatch | None) -> bool:
@@ -137,3 +154,44 @@ class FusedForward:
                                    tuple(hidden_layers))
         batch.advance()
         return out
+
+
+class FusedFeature(_Watched):
+    """A feature drafter's step (model/feature.py: its input stage, its decoder layer, its final norm and the LM
+    head over its draft vocabulary) as one decoder.c call over its fp32 caches: a draft step's ~40 small torch ops
+    cost more than its matmuls (EAGLE-3 drafted at 3.2x DSpark's cost a round, reports/trees). Agrees with the
+    torch path to rounding, as the target's native forward does."""
+
+    def __init__(self, model: torch.nn.Module, embed: torch.Tensor, head: PackedWeight, head_sources: list) -> None:
+        cfg = model.target_config
+        weights, sources = layer_weights(model.layer)
+        w_in, _, w_in_sources = _linear(model.w_in)
+        stage = native.InputStage(_fp32(model.embed_norm.weight), _fp32(model.feature_norm.weight), w_in)
+        dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                cfg.intermediate_size, cfg.vocab_size)
+        rope = model.rotary_emb
+        self.decoder = native.Decoder(dims, cfg.rms_norm_eps, embed.detach().contiguous(), [weights],
+                                      _fp32(model.norm.weight), head.packed, (_fp32(rope.cos), _fp32(rope.sin)),
+                                      dtype=model.dtype, input_stage=stage)
+        self._watch(sources + w_in_sources + [embed, model.embed_norm.weight, model.feature_norm.weight,
+                                              model.norm.weight, *head_sources])
+
+    def step(
+        self,
+        tokens: torch.Tensor,  # [N] each entry's token x_{j+1}
+        feats: torch.Tensor,  # [N, d] each entry's feature f_j
+        caches: Sequence[KVCache],  # one layer each; lengths[i] entries go after caches[i]'s rows
+        lengths: Sequence[int],
+        logit_rows: torch.Tensor,  # [M] rows whose draft-vocabulary logits are wanted
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [M, V'], output states g [N, d]
+        for cache, n in zip(caches, lengths):
+            cache.reserve(cache.length + n)
+        rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position) for c, n in zip(caches, lengths)]
+        logits, hidden = self.decoder.forward(tokens, rows, logit_rows, (1,), feats)
+        for cache, n in zip(caches, lengths):
+            cache.advance(n)
+        return logits, hidden[1]
+
+    @staticmethod
+    def takes(caches: Sequence[KVCache]) -> bool:
+        return all(FusedForward.takes(c) and c.k.shape[1] == 1 for c in caches)
