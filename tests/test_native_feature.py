@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import no_native_reason, tiny_model
-from test_feature_drafters import GREEDY, PROMPTS, make_feature
+from test_feature_drafters import GREEDY, PROMPTS, _accepted_path, make_feature
 
-from verispec.config import SamplingParams
+from verispec.config import SamplingParams, TreeConfig
 from verispec.decode import decode
 from verispec.drafters import DraftRequest, Verified
 from verispec.drafters.feature import FeatureDrafter
@@ -24,11 +24,12 @@ def target():
     return tiny_model(0, 0.2)
 
 
-def _pair(target, kind: str, window: int, vocab: bool) -> tuple[FeatureDrafter, FeatureDrafter]:
+def _pair(target, kind: str, window: int, vocab: bool, tree: TreeConfig = TreeConfig(),
+          ) -> tuple[FeatureDrafter, FeatureDrafter]:
     model = make_feature(target, kind, window, packed=True)
     ids = torch.arange(0, target.config.vocab_size, 2) if vocab else None  # a draft vocabulary of half the tokens
-    fast = FeatureDrafter(model, target, draft_vocab=ids, context_window=window)
-    slow = FeatureDrafter(model, target, draft_vocab=ids, context_window=window)
+    fast = FeatureDrafter(model, target, tree, draft_vocab=ids, context_window=window)
+    slow = FeatureDrafter(model, target, tree, draft_vocab=ids, context_window=window)
     slow._native = lambda: None  # the torch path, same weights
     with torch.inference_mode():
         assert fast._native() is not None
@@ -37,11 +38,13 @@ def _pair(target, kind: str, window: int, vocab: bool) -> tuple[FeatureDrafter, 
 
 @needs_native
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
-@pytest.mark.parametrize("window,vocab", [(0, False), (4, True), (0, True)])
-def test_native_step_drafts_what_the_torch_path_drafts(kind, window, vocab, target):
+@pytest.mark.parametrize("window,vocab,shape", [(0, False, "chain"), (4, True, "chain"), (0, True, "chain"),
+                                                (0, False, "tree"), (4, True, "tree")])
+def test_native_step_drafts_what_the_torch_path_drafts(kind, window, vocab, shape, target):
     """Three requests proposed together for six greedy rounds, each round accepting what the target's own
-    continuation accepts: drafts and caches of the two paths agree at every round."""
-    fast, slow = _pair(target, kind, window, vocab)
+    continuation accepts (a tree: its deepest accepted path): drafts and caches of the two paths agree at every
+    round. A tree's levels run natively with each node seeing its ancestors among the earlier levels' entries."""
+    fast, slow = _pair(target, kind, window, vocab, TreeConfig("auto", 2, 4, 7) if shape == "tree" else TreeConfig())
     layers = fast.capabilities.hidden_layers
     prompts = PROMPTS[:2] + [list(range(20, 33))]
     truth = [decode(target, p, SamplingParams(max_tokens=60, ignore_eos=True)).token_ids for p in prompts]
@@ -55,14 +58,15 @@ def test_native_step_drafts_what_the_torch_path_drafts(kind, window, vocab, targ
         requests = [DraftRequest(sid, tokens[sid], (5, 3, 6)[sid], GREEDY, None) for sid in range(3)]
         a, b = fast.propose(requests), slow.propose(requests)
         for sid, (x, y) in enumerate(zip(a, b)):
-            assert x.tokens == y.tokens
-            assert torch.allclose(x.confidence, y.confidence, atol=1e-5)
+            assert x.tokens == y.tokens and x.parents == y.parents
+            if x.confidence is not None:
+                assert torch.allclose(x.confidence, y.confidence, atol=1e-5)
             cx, cy = fast._caches[sid], slow._caches[sid]
             assert (cx.length, cx.position_offset) == (cy.length, cy.position_offset)
             assert torch.allclose(cx.k[:, :, :, : cx.length], cy.k[:, :, :, : cy.length], atol=1e-5)
             assert torch.allclose(cx.v[:, :, :, : cx.length], cy.v[:, :, :, : cy.length], atol=1e-5)
             ref = truth[sid][len(tokens[sid]) - len(prompts[sid]) :]
-            n = next((i for i, (t, r) in enumerate(zip(x.tokens, ref)) if t != r), len(x.tokens))
+            n = len(_accepted_path(x, ref))
             committed = ref[: n + 1]
             _, hidden = target(torch.tensor([tokens[sid] + committed[:n]]), hidden_layers=layers)
             rows = {k: v[0, len(tokens[sid]) - 1 :] for k, v in hidden.items()}

@@ -189,16 +189,21 @@ class FeatureDrafter(Drafter):
         return g[last], logits
 
     def _packed_step(self, caches: list[KVCache], lengths: list[int], tokens: torch.Tensor, feats: torch.Tensor,
-                     logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     logit_rows: torch.Tensor, tree: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # tokens [N], feats [N, d], logit_rows [M] -> draft-vocabulary logits [M, V'] fp32, output states [N, d]
         """Entries appended to their caches (lengths[i] of them to caches[i], in order), causal after each one's
-        rows, in one forward (one native call where it applies); the logits of `logit_rows` and every output state."""
+        rows, in one forward (one native call where it applies); the logits of `logit_rows` and every output state.
+        tree: one cache's tree level instead, (positions [N], mask [N, length + N], seen: the leading entries every
+        row sees)."""
         fused = self._native()
         if fused is not None and FusedFeature.takes(caches):
-            logits, g = fused.step(tokens, feats.contiguous(), caches, lengths, logit_rows)
+            rows = None if tree is None else [(tree[0], *native.tree_rows(tree[1], tree[2]))]
+            logits, g = fused.step(tokens, feats.contiguous(), caches, lengths, logit_rows, rows)
             return logits.float(), g
         u = self.model.inputs(self.target.model.embed_tokens, tokens[None], feats[None])
-        if len(caches) == 1:
+        if tree is not None:
+            g = self.model.step(u, tree[0], caches[0], tree[1].to(u.device))[0]
+        elif len(caches) == 1:
             cache = caches[0]
             pos = torch.arange(cache.next_position, cache.next_position + lengths[0], device=tokens.device)
             g = self.model.step(u, pos, cache, None)[0]
@@ -280,9 +285,6 @@ class FeatureDrafter(Drafter):
         full[:, self.draft_vocab] = small
         return full
 
-    def _logits(self, g: torch.Tensor) -> torch.Tensor:  # [F, d] -> [F, V] fp32, -inf outside the draft vocab
-        return self._full(self._head_logits(g))
-
     def _tree(self, r: DraftRequest, g: torch.Tensor, logits: torch.Tensor, budget: int, cache: KVCache,
               shape: TreeConfig) -> Draft:  # g [d], logits [1, V'] of the anchor's entry
         """EAGLE-2's dynamic tree: each depth runs the frontier's entries (node i's reads its parent's output state
@@ -296,14 +298,14 @@ class FeatureDrafter(Drafter):
         while frontier:
             nodes = [tree.nodes[n] for n in frontier]
             mask = frontier_mask(tree, frontier, row, cache.length, committed)
-            feats = torch.stack([state[node.parent] for node in nodes])[None]  # [1, F, d]
-            toks = torch.tensor([[node.token for node in nodes]], device=device)
-            u = self.model.inputs(self.target.model.embed_tokens, toks, feats)
+            feats = torch.stack([state[node.parent] for node in nodes])  # [F, d]
+            toks = torch.tensor([node.token for node in nodes], device=device)
             positions = torch.tensor([anchor + node.depth - 1 for node in nodes], device=device)
-            out = self.model.step(u, positions, cache, mask.to(device))[0]  # [F, d]
+            logits, out = self._packed_step([cache], [len(nodes)], toks, feats, torch.arange(len(nodes)),
+                                            (positions, mask, committed))  # [F, V'], [F, d]
             for f, n in enumerate(frontier):
                 state[n] = out[f]
-            frontier = tree.grow(frontier, node_q(self._logits(out), r.params))
+            frontier = tree.grow(frontier, node_q(self._full(logits), r.params))
         return tree.draft()
 
 

@@ -9,7 +9,7 @@
  * [B, Hkv, S_max, D] layout; k and v share strides); out: contiguous [B, T, H, D]. D must be a multiple of 8.
  * Returns 0, -1 if out of memory, -2 for unsupported shapes.
  *
- * vs_attention_tree: query t sees keys [0, causal_from) and then the keys tails[t * T + j], j < ntail[t] (a draft
+ * vs_attention_tree: query t sees keys [0, causal_from) and then the keys tails[t * W + j], j < ntail[t] (a draft
  * tree's ancestors and itself, ascending), in that order. Those extra keys are read one by one but scored, weighed
  * and summed in exactly the order a causal query would use if they sat right after the first causal_from keys, so a
  * tree node's output is bit-identical to the same query's in a chain holding its path (what a one-token step gives). */
@@ -168,15 +168,15 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
 
 static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
                   const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
-                  float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail, float scale,
-                  int threads) {
+                  float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail, int64_t W,
+                  float scale, int threads) {
     if (D % 8 != 0 || Hkv <= 0 || H % Hkv != 0) return -2;
     if (tails) { /* every listed key inside the cache, before anything is read */
-        if (causal_from < 0 || causal_from > S) return -2;
+        if (causal_from < 0 || causal_from > S || W < 0) return -2;
         for (int64_t t = 0; t < T; t++) {
-            if (ntail[t] < 0 || ntail[t] > T) return -2;
+            if (ntail[t] < 0 || ntail[t] > W) return -2;
             for (int64_t j = 0; j < ntail[t]; j++)
-                if (tails[t * T + j] < 0 || tails[t * T + j] >= S) return -2;
+                if (tails[t * W + j] < 0 || tails[t * W + j] >= S) return -2;
         }
     }
     const int64_t G = H / Hkv, units = B * Hkv, nq = G * T, sp = (S + 7) & ~(int64_t)7;
@@ -213,7 +213,7 @@ static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, in
                     qs[live] = q + b * qsb + t * qst + h * qsh;
                     o[live] = oi;
                     if (tails) {
-                        tl[live] = tails + t * T;
+                        tl[live] = tails + t * W;
                         m[live] = mt;
                     }
                     n[live++] = nt;
@@ -237,15 +237,16 @@ static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, in
 int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
                  float *out, int64_t causal_from, float scale, int threads) {
-    return attend(q, B, T, H, D, qsb, qst, qsh, k, v, Hkv, S, ksb, ksh, kss, out, causal_from, NULL, NULL, scale,
-                  threads);
+    return attend(q, B, T, H, D, qsb, qst, qsh, k, v, Hkv, S, ksb, ksh, kss, out, causal_from, NULL, NULL, 0,
+                  scale, threads);
 }
 
+/* tails [T, W]: row t's extra keys in its first ntail[t] <= W entries */
 int vs_attention_tree(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst,
                       int64_t qsh, const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh,
                       int64_t kss, float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail,
-                      float scale, int threads) {
+                      int64_t W, float scale, int threads) {
     if (!tails || !ntail) return -2;
-    return attend(q, B, T, H, D, qsb, qst, qsh, k, v, Hkv, S, ksb, ksh, kss, out, causal_from, tails, ntail, scale,
-                  threads);
+    return attend(q, B, T, H, D, qsb, qst, qsh, k, v, Hkv, S, ksb, ksh, kss, out, causal_from, tails, ntail, W,
+                  scale, threads);
 }

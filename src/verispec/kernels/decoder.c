@@ -19,8 +19,10 @@
  * entries, at positions first .. first + rows - 1 (first = cached unless the cache dropped rows: a compressed
  * cache keeps its kept keys' positions, so its next position runs ahead of its row count), and attend causally to
  * that cache only. A draft tree's sequence gives its rows' positions and, per row, the rows it sees (its
- * ancestors and itself) instead: each row sees the cached entries and those rows, in the order a chain holding its
- * path would (attention.c's vs_attention_tree), so a node gives what a one-token step at its path gives. */
+ * ancestors and itself) instead: each row sees the first `seen` cached entries and those rows, in the order a
+ * chain holding its path would (attention.c's vs_attention_tree), so a node gives what a one-token step at its path
+ * gives. A target's tree sees every cached entry (seen = cached); a drafter growing a tree level by level keeps the
+ * earlier levels in its cache and lists a node's ancestors among them. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +37,7 @@ int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int
 int vs_attention_tree(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst,
                       int64_t qsh, const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh,
                       int64_t kss, float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail,
-                      float scale, int threads);
+                      int64_t W, float scale, int threads);
 
 typedef struct {
     vs_weight qkv, o, gate_up, down;
@@ -66,10 +68,11 @@ typedef struct {
     int64_t first;                   /* the first new token's RoPE position (>= cached) */
     float *k, *v;                    /* layer 0, kv head 0, position 0 of this sequence's cache */
     int64_t layer_stride, head_stride, capacity; /* in floats; positions are head_dim floats apart */
-    /* a draft tree's rows (all NULL for causal rows): positions [rows]; the cache rows row t sees after the cached
-     * entries, tails[t * rows + j] for j < ntail[t], ascending (cached + the row index of each ancestor, itself
-     * last) */
+    /* a draft tree's rows (all NULL for causal rows): positions [rows]; row t sees the first `seen` cache entries
+     * (<= cached), then tails[t * tail_stride + j] for j < ntail[t] <= tail_stride, ascending cache rows in [seen,
+     * cached + rows): its ancestors', whether written in this call or an earlier one, and its own last */
     const int64_t *pos, *tails, *ntail;
+    int64_t seen, tail_stride;
 } vs_seq;
 
 static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
@@ -158,11 +161,14 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
             seqs[s].first < seqs[s].cached || seqs[s].first + seqs[s].rows > m->max_pos ||
             (seqs[s].pos == NULL) != (seqs[s].tails == NULL) || (seqs[s].tails == NULL) != (seqs[s].ntail == NULL))
             return -2;
+        if (seqs[s].pos && (seqs[s].seen < 0 || seqs[s].seen > seqs[s].cached || seqs[s].tail_stride < 0)) return -2;
         for (int64_t t = 0; seqs[s].pos && t < seqs[s].rows; t++) {
             const vs_seq *S = seqs + s;
-            if (S->pos[t] < 0 || S->pos[t] >= m->max_pos || S->ntail[t] < 0 || S->ntail[t] > S->rows) return -2;
+            const int64_t *tl = S->tails + t * S->tail_stride;
+            if (S->pos[t] < 0 || S->pos[t] >= m->max_pos || S->ntail[t] < 0 || S->ntail[t] > S->tail_stride)
+                return -2;
             for (int64_t j = 0; j < S->ntail[t]; j++)
-                if (S->tails[t * S->rows + j] < 0 || S->tails[t * S->rows + j] >= S->cached + S->rows) return -2;
+                if (tl[j] < S->seen || tl[j] >= S->cached + S->rows) return -2;
         }
         total += seqs[s].rows;
     }
@@ -246,8 +252,8 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
             }
             if (S->rows && S->tails &&
                 (rc = vs_attention_tree(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,
-                                        S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->cached,
-                                        S->tails, S->ntail, 1.0f / sqrtf((float)D), threads)))
+                                        S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->seen,
+                                        S->tails, S->ntail, S->tail_stride, 1.0f / sqrtf((float)D), threads)))
                 goto done;
             if (S->rows && !S->tails &&
                 (rc = vs_attention(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,

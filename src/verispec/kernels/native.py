@@ -118,7 +118,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr,
                                 i64, flt, cint]),
         "vs_attention_tree": (cint, [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                     ptr, i64, ptr, ptr, flt, cint]),
+                                     ptr, i64, ptr, ptr, i64, flt, cint]),
         "vs_markov_greedy": (cint, [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]),
         "vs_argmax": (cint, [ptr, cint, i64, i64, i64, ptr]),
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
@@ -500,7 +500,7 @@ def attention(
     k: torch.Tensor,  # [B, Hkv, S, D], v the same, in one layout (a cache's view)
     v: torch.Tensor,
     causal: bool,  # query t sees keys s <= S - T + t (the new tokens after S - T cached ones); else every key
-    tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # tree_rows(mask, S - T): that mask instead
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # tree_rows(mask, seen): that mask instead
 ) -> torch.Tensor:  # [B, H, T, D], a view of a contiguous [B, T, H, D]
     """softmax(q k^T / sqrt(D)) v with grouped-query heads (H / Hkv queries per key/value head), fp32."""
     lib = _required()
@@ -514,12 +514,14 @@ def attention(
     out = torch.empty(b, t, h, d, dtype=torch.float32)
     args = (q.data_ptr(), b, t, h, d, q.stride(0), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(), hkv, s,
             k.stride(0), k.stride(1), k.stride(2), out.data_ptr())
-    if tree is not None:
+    if tree is not None:  # tails [T, W] list keys among the last W: every query sees the S - W before them
         tails, ntail = tree
-        if (tails.shape != (t, t) or ntail.shape != (t,) or tails.dtype != torch.int64 or ntail.dtype != torch.int64
-                or not (tails.is_contiguous() and ntail.is_contiguous())):
-            raise ValueError(f"native attention: a tree's rows must be int64 tails [{t}, {t}] and counts [{t}]")
-        rc = lib.vs_attention_tree(*args, s - t, tails.data_ptr(), ntail.data_ptr(), d**-0.5, torch.get_num_threads())
+        w = tails.shape[-1]
+        if (tails.shape != (t, w) or not t <= w <= s or ntail.shape != (t,) or tails.dtype != torch.int64
+                or ntail.dtype != torch.int64 or not (tails.is_contiguous() and ntail.is_contiguous())):
+            raise ValueError(f"native attention: a tree's rows must be int64 tails [{t}, W >= {t}] and counts [{t}]")
+        rc = lib.vs_attention_tree(*args, s - w, tails.data_ptr(), ntail.data_ptr(), w, d**-0.5,
+                                   torch.get_num_threads())
     else:
         rc = lib.vs_attention(*args, s - t if causal else -1, d**-0.5, torch.get_num_threads())
     if rc != 0:
@@ -623,21 +625,23 @@ class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
     _fields_ = [("rows", ctypes.c_int64), ("cached", ctypes.c_int64), ("first", ctypes.c_int64),
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("capacity", ctypes.c_int64),
-                ("pos", ctypes.c_void_p), ("tails", ctypes.c_void_p), ("ntail", ctypes.c_void_p)]
+                ("pos", ctypes.c_void_p), ("tails", ctypes.c_void_p), ("ntail", ctypes.c_void_p),
+                ("seen", ctypes.c_int64), ("tail_stride", ctypes.c_int64)]
 
 
-def tree_rows(mask: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native kernels' form of a non-causal mask over T new rows after `cached` entries ([T, cached + T] bool,
-    True = attend, a draft tree's): (tails [T, T] int64, the cache rows each new row sees after the cached entries,
-    ascending, padded; ntail [T] int64, how many). None where the kernels cannot honour it: a row that does not see
-    every cached entry."""
+def tree_rows(mask: torch.Tensor, seen: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native kernels' form of a non-causal mask over T new rows ([T, S] bool, True = attend, a draft tree's;
+    the new rows are the last T of the S): (tails [T, S - seen] int64, the cache rows each new row sees past the
+    first `seen`, ascending, padded; ntail [T] int64, how many). None where the kernels cannot honour it: a row that
+    does not see every one of the first `seen` entries."""
     t = mask.shape[0]
-    if mask.dim() != 2 or mask.shape[1] != cached + t or not bool(mask[:, :cached].all()):
+    if mask.dim() != 2 or not 0 <= seen <= mask.shape[1] - t or not bool(mask[:, :seen].all()):
         return None
-    new = mask[:, cached:].cpu()
-    idx = torch.arange(t).expand(t, t)
-    tails = torch.sort(torch.where(new, idx, t), dim=1).values.clamp_max_(t - 1) + cached  # visible rows first
-    return tails.contiguous(), new.sum(1).to(torch.int64)
+    extra = mask[:, seen:].cpu()
+    w = extra.shape[1]
+    idx = torch.arange(w).expand(t, w)
+    tails = torch.sort(torch.where(extra, idx, w), dim=1).values.clamp_max_(w - 1) + seen  # visible rows first
+    return tails.contiguous(), extra.sum(1).to(torch.int64)
 
 
 @dataclass(frozen=True)
@@ -738,7 +742,7 @@ class Decoder:
         self,
         tokens: torch.Tensor,  # [N] int64: every sequence's new tokens, back to back
         # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows[, first position (default cached)[, tree]], where tree
-        # is a draft tree's (positions [rows], *tree_rows(mask, cached)) or None for causal rows
+        # is a draft tree's (positions [rows], *tree_rows(mask, seen)) or None for causal rows
         caches: list[tuple],
         logit_rows: torch.Tensor,  # [M] int64 rows of `tokens` that need logits
         hidden_layers: tuple[int, ...] = (),  # 0 = the embedding (or input stage), l = decoder layer l's output
@@ -776,14 +780,16 @@ class Decoder:
                 raise ValueError(f"native decoder: cache {i}'s first position {first} is below its {cached} rows")
             if first + count > self.desc.max_pos:
                 raise ValueError(f"native decoder: position {first + count - 1} past the RoPE table")
-            ptrs = (None, None, None)
-            if tree is not None:
+            ptrs = (None, None, None, 0, 0)
+            if tree is not None:  # tails [rows, W] (tree_rows of a mask over cached + rows columns): the last W
                 pos, tails, ntail = (x.to(torch.int64).contiguous() for x in tree)
-                if pos.shape != (count,) or tails.shape != (count, count) or ntail.shape != (count,):
+                w = tails.shape[-1]
+                if (pos.shape != (count,) or tails.shape != (count, w) or ntail.shape != (count,)
+                        or not count <= w <= cached + count):
                     raise ValueError(f"native decoder: sequence {i}'s tree must give positions [{count}], tails "
-                                     f"[{count}, {count}] and counts [{count}]")
+                                     f"[{count}, W] with {count} <= W <= {cached + count} and counts [{count}]")
                 trees.append((pos, tails, ntail))
-                ptrs = (pos.data_ptr(), tails.data_ptr(), ntail.data_ptr())
+                ptrs = (pos.data_ptr(), tails.data_ptr(), ntail.data_ptr(), cached + count - w, w)
             seqs[i] = SeqDesc(count, cached, first, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2],
                               *ptrs)
             rows += count

@@ -183,10 +183,13 @@ class FusedFeature(_Watched):
         caches: Sequence[KVCache],  # one layer each; lengths[i] entries go after caches[i]'s rows
         lengths: Sequence[int],
         logit_rows: torch.Tensor,  # [M] rows whose draft-vocabulary logits are wanted
+        trees: Sequence[tuple | None] | None = None,  # per cache None (causal) or (positions, *tree_rows(mask, seen))
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [M, V'], output states g [N, d]
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
-        rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position) for c, n in zip(caches, lengths)]
+        trees = trees or [None] * len(caches)
+        rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position, tree)
+                for c, n, tree in zip(caches, lengths, trees)]
         logits, hidden = self.decoder.forward(tokens, rows, logit_rows, (1,), feats)
         for cache, n in zip(caches, lengths):
             cache.advance(n)
