@@ -54,6 +54,8 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
     for kind, path in (("eagle", e), ("mtp", m)):
         if (path / "config.json").is_file():
             arms |= {f"{kind} chain k=8": (f"{kind}:{path}", 8, kind),
+                     # EAGLE-3 at about DSpark's drafting time a round (the goal's "same draft cost")
+                     **({"eagle chain k=6": (f"eagle:{path}", 6, kind)} if kind == "eagle" else {}),
                      f"{kind} tree 8 (w4 d4)": (f"{kind}(path={path}, tree=auto, width=4, depth=4, nodes=8)", 8, kind),
                      f"{kind} tree 16 (w4 d8)": (f"{kind}(path={path}, tree=auto, width=4, depth=8, nodes=16)", 16,
                                                  kind),
@@ -287,14 +289,17 @@ def write_readme(out: Path, res: dict, command: str) -> None:
                 goals.append(f"- {task}, {family}: best tree ({t['arm']}, τ {t['tau']:.2f}) is {ratio:.2f}x its best "
                              f"chain ({c['arm']}, τ {c['tau']:.2f}) per output token -> "
                              f"**{'met' if ratio >= 1.1 else 'not met'}**")
-        by_arm = {r["arm"]: r for r in rows}
-        e, d = by_arm.get("eagle chain k=8"), by_arm.get("dspark chain k=8")
-        if e and d and e["tau"] and d["tau"]:
+        d = next((r for r in rows if r["arm"] == "dspark chain k=8"), None)
+        eagles = [r for r in rows if r["drafter"] == "eagle" and " chain" in r["arm"] and r["tau"]]
+        if d and d["tau"] and eagles:
+            # the EAGLE-3 chain drafting within 10% of DSpark's time a round with the highest τ, else the cheapest
+            matched = [r for r in eagles if r["draft_ms_per_round"] <= 1.1 * d["draft_ms_per_round"]]
+            e = max(matched, key=lambda r: r["tau"]) if matched else min(eagles, key=lambda r: r["draft_ms_per_round"])
             cost = e["draft_ms_per_round"] / d["draft_ms_per_round"]
             same = cost <= 1.1
-            goals.append(f"- {task}: EAGLE-3 chain τ {e['tau']:.2f} against DSpark's {d['tau']:.2f} "
-                         f"({'higher' if e['tau'] >= d['tau'] else 'lower'}), but at {e['draft_ms_per_round']:.2f} "
-                         f"ms of drafting a round against {d['draft_ms_per_round']:.2f} ({cost:.1f}x) -> "
+            goals.append(f"- {task}: EAGLE-3 chain (k {e['k']}) τ {e['tau']:.2f} against DSpark's {d['tau']:.2f} "
+                         f"({'higher' if e['tau'] >= d['tau'] else 'lower'}), at {e['draft_ms_per_round']:.2f} "
+                         f"ms of drafting a round against {d['draft_ms_per_round']:.2f} ({cost:.2f}x) -> "
                          "τ >= DSpark's "
                          f"at the same draft cost: **{'met' if same and e['tau'] >= d['tau'] else 'not met'}**"
                          f"{'' if same else ' (the costs differ)'}; per output token {e['decode_speedup']:.2f}x "
