@@ -297,7 +297,7 @@ def test_engine_mixed_chain_and_tree_requests_equal_plain(target, other, plain):
         p = i % len(PROMPTS)
         if name == "oracle-tree":  # the engine numbers sequences in arrival order
             drafters[name].prompts[i] = (len(PROMPTS[p]), plain[p])
-        spec = RequestSpec(drafter=name, policy="dspark" if i == 9 else None)  # dspark verifies a tree whole
+        spec = RequestSpec(drafter=name, policy="dspark" if i == 9 else None)  # dspark cuts a tree to a subtree
         arrivals.setdefault(i // 2 * 2, []).append((PROMPTS[p], GREEDY, spec, f"r{i}"))
     results = _run_audited(engine, arrivals)
     for i, name in enumerate(specs):

@@ -89,9 +89,8 @@ class _LengthPolicy:
             return draft
         fixed_s = self.propose_s / self.proposals if self.proposals else 0.0
         conditional = policies.conditional(draft, self.estimator, "", "")
-        n = policies.dspark_cut([conditional], (), 0,
-                                lambda b: fixed_s + self.profile.step_time(b, context=context))[0]
-        return draft.truncated(n)
+        return policies.dspark_cut([draft], [conditional], (), 0,
+                                   lambda b: fixed_s + self.profile.step_time(b, context=context))[0]
 
     def record(self, propose_s: float, start: int, proposed: list[int], tokens: list[int]) -> None:
         """After a round: the drafter's time, and its whole proposal (from index `start` of `tokens`), scored
@@ -165,7 +164,7 @@ def decode_stream(
                 propose_s = time.perf_counter() - t0
                 stats.draft_s += propose_s
                 check_draft(draft, budget, target.config.vocab_size, drafter)
-                if policy is not None and draft.is_chain:  # the length rule cuts chains; a tree is verified whole
+                if policy is not None:  # a chain to a prefix, a tree to a subtree
                     draft = policy.cut(draft, n)
             inp = torch.tensor([[tokens[-1], *draft.tokens]], device=device)
             tree = tree_inputs(draft, cache, 1, device)

@@ -5,10 +5,16 @@
 - dspark: DSpark's Algorithm 1. Every (request, position) is ranked by its prefix-survival probability
   a_j = prod_{i<=j} c_i and admitted in that order while the expected throughput tau * SPS(B) still grows; the
   first admission that does not raise it stops the search. That early stop is what keeps sampling lossless: a
-  position's admission never depends on its own token (see algorithms.md §1.5, DSpark appendix A).
+  position's admission never depends on its own token (see algorithms.md §1.5, DSpark appendix A). A draft tree's
+  nodes are ranked the same way by their path survival (c of the node and of each ancestor), so each request
+  verifies a subtree: nodes admitted parents first, per node budgets over every request in the step.
 
-Survival c_j must never depend on the drafted token x_j itself, only on what precedes it: the drafter's confidence
-head (if it has one) estimates acceptance before x_j is drawn, and the online estimate below uses past rounds.
+The c of a node drawn from q (a draft with q rows) must never depend on that node's own token, only on what precedes
+it: the drafter's confidence head (if it has one) estimates acceptance before x_j is drawn, the feature and Medusa
+drafters report q's top probability, and the online estimate below uses past rounds. A node's admission never reads
+its own descendants (they rank after it), so c may depend on its ancestors' and siblings' tokens. Point-mass nodes
+(no q rows: a greedy draft, a tree's top-k children) are chosen from the drafter's state alone, so which of them are
+verified may depend on anything the drafter computed.
 """
 
 from __future__ import annotations
@@ -21,53 +27,73 @@ import torch
 from verispec.drafters.base import Draft
 
 
-def survival(conditional: Sequence[float]) -> list[float]:
-    """a_j = prod_{i<=j} c_i: the probability that positions 1..j are all accepted."""
-    out, acc = [], 1.0
-    for c in conditional:
-        acc *= min(max(float(c), 0.0), 1.0)
-        out.append(acc)
+def survival(conditional: Sequence[float], parents: Sequence[int] | None = None) -> list[float]:
+    """a_n = c_n * a_parent(n): the probability that node n and every node on its path are accepted (a chain,
+    parents None: a_j = prod_{i<=j} c_i)."""
+    out: list[float] = []
+    for n, c in enumerate(conditional):
+        parent = n - 1 if parents is None else parents[n]
+        out.append(min(max(float(c), 0.0), 1.0) * (out[parent] if parent >= 0 else 1.0))
     return out
 
 
-def dspark_lengths(
-    survivals: Sequence[Sequence[float]],  # per request, a_1..a_k (non-increasing)
+def dspark_nodes(
+    survivals: Sequence[Sequence[float]],  # per request, a per node (never above its parent's)
+    depths: Sequence[Sequence[int]],  # per request, each node's depth (1: a child of the anchor)
     base_tokens: int,  # rows the step verifies anyway: every request's anchor, other requests' drafts, prefill
     base_tau: float,  # tokens the step commits anyway (one per decoding request, plus others' expected accepts)
     step_time: Callable[[int], float],  # seconds for a step that verifies B tokens, its drafting included
-) -> list[int]:
-    """Algorithm 1 with the early stop: returns the number of draft tokens to verify per request."""
+) -> list[list[int]]:
+    """Algorithm 1 with the early stop over draft nodes: per request the nodes to verify, ascending. Nodes are
+    admitted by falling survival, shallower first on ties, so a node's parent always comes before it (a chain's
+    admitted nodes are a prefix)."""
     items = sorted(
-        ((a, j, r) for r, surv in enumerate(survivals) for j, a in enumerate(surv, start=1) if a > 0),
-        key=lambda t: (-t[0], t[1]),
+        ((a, depth, n, r) for r, (surv, dep) in enumerate(zip(survivals, depths))
+         for n, (a, depth) in enumerate(zip(surv, dep)) if a > 0),
+        key=lambda t: (-t[0], t[1], t[2]),
     )
-    lengths = [0] * len(survivals)
-    best_lengths = list(lengths)
+    admitted: list[list[int]] = [[] for _ in survivals]
+    best_count = [0] * len(survivals)
     tokens, tau = base_tokens, base_tau
     best = tau / step_time(tokens)
-    for a, j, r in items:
-        lengths[r] = j  # a is non-increasing in j, so position j - 1 of r was admitted before
+    for a, _, n, r in items:
+        admitted[r].append(n)
         tokens += 1
         tau += a
         theta = tau / step_time(tokens)
         if theta <= best:
             break
-        best, best_lengths = theta, list(lengths)
-    return best_lengths
+        best, best_count = theta, [len(x) for x in admitted]
+    return [sorted(x[:c]) for x, c in zip(admitted, best_count)]
+
+
+def dspark_lengths(
+    survivals: Sequence[Sequence[float]],  # per request, a_1..a_k (non-increasing)
+    base_tokens: int,
+    base_tau: float,
+    step_time: Callable[[int], float],
+) -> list[int]:
+    """dspark_nodes over chains: the number of draft tokens to verify per request."""
+    depths = [range(1, len(s) + 1) for s in survivals]
+    return [len(x) for x in dspark_nodes(survivals, depths, base_tokens, base_tau, step_time)]
 
 
 def dspark_cut(
-    scheduled: Sequence[Sequence[float]],  # per request the rule cuts, c_1..c_k (conditional, see `conditional`)
-    fixed: Sequence[tuple[int, Sequence[float]]],  # per other decoding request: (k, c_1..c_k), verified whole
+    scheduled: Sequence[Draft],  # the drafts the rule cuts
+    scheduled_c: Sequence[Sequence[float]],  # their c per node (conditional, see `conditional`)
+    fixed: Sequence[tuple[Draft, Sequence[float]]],  # every other decoding request's draft and c, verified whole
     prefill_tokens: int,  # prompt rows the step runs besides
     step_time: Callable[[int], float],  # seconds for a step that verifies B tokens, its drafting included
-) -> list[int]:
+) -> list[Draft]:
     """The dspark policy for one step, shared by the reference loop (one request, nothing fixed) and the engine:
-    the number of draft tokens of each scheduled request to verify (`dspark_lengths` over their survivals, with
-    every anchor, the fixed requests' drafts and the prefill rows verified anyway)."""
-    base_tokens = prefill_tokens + sum(k + 1 for k, _ in fixed) + len(scheduled)
-    base_tau = sum(1 + sum(survival(c)) for _, c in fixed) + len(scheduled)
-    return dspark_lengths([survival(c) for c in scheduled], base_tokens, base_tau, step_time)
+    each scheduled draft cut to the nodes Algorithm 1 verifies (`dspark_nodes` over their survivals, with every
+    anchor, the fixed requests' drafts and the prefill rows verified anyway): a chain to a prefix, a tree to a
+    subtree."""
+    base_tokens = prefill_tokens + sum(len(d.tokens) + 1 for d, _ in fixed) + len(scheduled)
+    base_tau = sum(1 + sum(survival(c, d.parents)) for d, c in fixed) + len(scheduled)
+    nodes = dspark_nodes([survival(c, d.parents) for d, c in zip(scheduled, scheduled_c)],
+                         [d.node_depths for d in scheduled], base_tokens, base_tau, step_time)
+    return [d.keep(n) for d, n in zip(scheduled, nodes)]
 
 
 class AcceptanceEstimator:
@@ -132,9 +158,13 @@ def learn_from_proposals(
 
 
 def conditional(draft: Draft, estimator: AcceptanceEstimator, drafter: str, request_id: str) -> list[float]:
-    """c_1..c_k for a draft: the drafter's confidences where it gives them, else the estimator's past acceptance."""
+    """c per node of a draft: the drafter's confidences where it gives them, else the estimator's past acceptance
+    at the node's depth."""
     k = len(draft.tokens)
     if draft.confidence is not None:
         return draft.confidence.float().tolist()[:k]
-    return estimator.conditional(drafter, request_id, k)
+    if draft.is_chain:
+        return estimator.conditional(drafter, request_id, k)
+    by_depth = estimator.conditional(drafter, request_id, draft.depth)
+    return [by_depth[d - 1] for d in draft.node_depths]
 

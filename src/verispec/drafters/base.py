@@ -74,10 +74,17 @@ class Draft:
         """Nodes on the longest root path (a chain's length): the most a round can accept."""
         if self.parents is None:
             return len(self.tokens)
+        return max(self.node_depths, default=0)
+
+    @property
+    def node_depths(self) -> list[int]:
+        """Every node's depth: 1 for a child of the anchor (a chain's node j: j + 1)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
         depth: list[int] = []
         for p in self.parents:
             depth.append(1 + (depth[p] if p >= 0 else 0))
-        return max(depth, default=0)
+        return depth
 
     @property
     def node_parents(self) -> tuple[int, ...]:
@@ -91,6 +98,21 @@ class Draft:
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
                      None if self.confidence is None else self.confidence[:n],
                      None if self.parents is None else self.parents[:n])
+
+    def keep(self, nodes: list[int]) -> Draft:
+        """The listed nodes (ascending, every parent listed before its children) with their q rows and confidences,
+        reindexed: a chain's prefix stays a chain, a tree's subtree a tree."""
+        if nodes == list(range(len(nodes))) and (self.parents is None or len(nodes) == len(self.tokens)):
+            return self.truncated(len(nodes))
+        index = {n: i for i, n in enumerate(nodes)}
+        parents = self.node_parents
+        if any(parents[n] >= 0 and parents[n] not in index for n in nodes) or sorted(index) != nodes:
+            raise ValueError(f"nodes {nodes} are not a subtree of the draft (parents {parents})")
+        at = torch.tensor(nodes, dtype=torch.long)
+        return Draft([self.tokens[n] for n in nodes],
+                     None if self.probs is None else self.probs[at.to(self.probs.device)],
+                     None if self.confidence is None else self.confidence[at.to(self.confidence.device)],
+                     tuple(-1 if parents[n] < 0 else index[parents[n]] for n in nodes))
 
 
 def chain_parents(k: int) -> tuple[int, ...]:

@@ -231,7 +231,7 @@ class FeatureDrafter(Drafter):
                 else:
                     q = node_q(self._full(logits[row : row + 1]), r.params)[0]
                     x = int(sample(q, r.generator))
-                    p = float(q[x])
+                    p = float(q.max())  # known before x is drawn: a sampled chain's cut must not read x (policies)
                     rows[i].append(q)
                 tokens[i].append(x)
                 conf[i].append(p)

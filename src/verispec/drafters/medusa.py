@@ -104,7 +104,9 @@ class MedusaDrafter(Drafter):
             n = min(r.budget, k)
             q = node_q(logits[row, :n], r.params)  # [n, V]
             tokens = logits[row, :n].argmax(-1) if r.params.greedy else sample(q, r.generator)
-            drafts[i] = Draft.chain(tokens.tolist(), None if r.params.greedy else q, q.gather(1, tokens[:, None])[:, 0])
+            # confidence: q's top probability, known before the token is drawn (a sampled chain's cut must not read
+            # the token it cuts, policies.py); the drafted token's own q where greedy
+            drafts[i] = Draft.chain(tokens.tolist(), None if r.params.greedy else q, q.max(dim=-1).values)
         return drafts
 
     def paths(self, shape: TreeConfig) -> list[tuple[int, ...]]:

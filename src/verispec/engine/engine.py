@@ -11,7 +11,7 @@ Chain and tree drafts share a step: a tree's segment of the packed forward carri
 (round.tree_inputs), and its cache keeps the accepted path (round.keep_accepted); the native forward runs a tree's
 rows as a tree (model.fused), so a node gets a one-token step's logits. Verification (round.verify_batch): greedy
 chains in one batched call, sampled trees in one per kind of q, greedy trees and sampled chains one by one. The
-dspark policy cuts chains only; a tree is verified whole.
+dspark policy cuts chains to a prefix and trees to a subtree (policies.dspark_cut: per node budgets over the step).
 
 The draft gate (gate.py) decides per step whether dspark requests draft at all. While it keeps them plain, a drafter
 whose context may have gaps (`Capabilities.context_gaps`, a windowed block drafter) is handed no hidden rows; only
@@ -498,22 +498,22 @@ class Engine:
         return conditional(rnd.draft, self.estimator, rnd.req.drafter or "", rnd.req.request_id)
 
     def _schedule(self, rounds: list[_Round], prefill_tokens: int) -> None:
-        """Cut each draft to the length its policy verifies (dspark: Algorithm 1 over all dspark requests' chains;
-        a tree is verified whole)."""
-        sched = [r for r in rounds if r.req.policy == "dspark" and r.draft.tokens and r.draft.is_chain]
+        """Cut each draft to what its policy verifies (dspark: Algorithm 1 over every node of all dspark requests'
+        drafts: a chain to a prefix, a tree to a subtree)."""
+        sched = [r for r in rounds if r.req.policy == "dspark" and r.draft.tokens]
         if not sched:
             return
-        fixed = [(len(r.draft.tokens), self._conditional(r)) for r in rounds if r not in sched]
+        fixed = [(r.draft, self._conditional(r)) for r in rounds if r not in sched]
         requests = len(rounds) + (1 if prefill_tokens else 0)
         prof, draft_s = self.profile, self._draft_s
         # A step's time is the drafting it already spent plus the target's forward: what the tokens it commits cost,
         # at the context its requests attend to (attention's share grows with it).
         context = sum(len(r.req.tokens) for r in rounds) / len(rounds)
-        lengths = dspark_cut([self._conditional(r) for r in sched], fixed, prefill_tokens,
-                             lambda b: draft_s + prof.step_time(b, requests, context))
-        for rnd, n in zip(sched, lengths):
-            rnd.req.last_verified = n
-            rnd.draft = rnd.draft.truncated(n)
+        cut = dspark_cut([r.draft for r in sched], [self._conditional(r) for r in sched], fixed, prefill_tokens,
+                         lambda b: draft_s + prof.step_time(b, requests, context))
+        for rnd, draft in zip(sched, cut):
+            rnd.req.last_verified = len(draft.tokens)
+            rnd.draft = draft
 
     def _verify(self, rounds: list[_Round], logits: torch.Tensor) -> list[Verdict]:
         """Verdicts per round (round.verify_batch: each round's rows follow the previous round's)."""
