@@ -16,16 +16,16 @@ from verispec.errors import ConfigError
 def test_learn_walks_the_accepted_path_and_counts_every_reached_child():
     cal = TreeCalibration(bins=10, ranks=3, strength=4.0)
     # anchor -> a (q .65), b (q .25); a -> c (q .55), d (q .15)
-    draft = Draft([10, 11, 12, 13], confidence=torch.tensor([0.65, 0.25, 0.55, 0.15]), parents=(-1, -1, 0, 0))
-    cal.learn(draft, [10, 13, 99])  # a accepted, then d (the second child), then a bonus token past the tree
+    draft, q = Draft([10, 11, 12, 13], parents=(-1, -1, 0, 0)), [0.65, 0.25, 0.55, 0.15]
+    cal.learn(draft, q, [10, 13, 99])  # a accepted, then d (the second child), then a bonus token past the tree
     reached = {(r, b): v for r, row in enumerate(cal.reached) for b, v in enumerate(row) if v}
     accepted = {(r, b): v for r, row in enumerate(cal.accepted) for b, v in enumerate(row) if v}
     assert reached == {(0, 6): 1, (1, 2): 1, (0, 5): 1, (1, 1): 1}
     assert accepted == {(0, 6): 1, (1, 1): 1}
-    cal.learn(draft, [7, 8])  # the first level rejected: its two children reached, nothing accepted
+    cal.learn(draft, q, [7, 8])  # the first level rejected: its two children reached, nothing accepted
     assert cal.reached[0][6] == 2 and cal.accepted[0][6] == 1
     assert cal(0.65, 0) == pytest.approx((1 + 4 * 0.65) / (2 + 4))  # shrunk toward q while the cell is thin
-    cal.learn(Draft.chain([1, 2]), [1, 2])  # chains teach nothing
+    cal.learn(Draft.chain([1, 2]), [0.5, 0.5], [1, 2])  # chains teach nothing
     assert sum(map(sum, cal.reached)) == 6
 
 
@@ -41,6 +41,25 @@ def _grow(tree: DynamicTree, vocab: int = 16) -> Draft:
     return tree.draft()
 
 
+def test_a_trees_confidence_is_the_c_it_was_ranked_by_and_calibration_learns_from_q():
+    """Draft.confidence of a tree node is its estimated P(accepted | parent accepted), the c the dspark rule
+    multiplies along paths: q itself when ranking by q, the calibrated value when calibrating; q() gives the draft
+    probabilities the calibration bins by."""
+    shape = TreeConfig("auto", width=2, depth=3, nodes=6)
+    by_q = DynamicTree(shape, 6)
+    raw = _grow(by_q)
+    assert raw.confidence.tolist() == pytest.approx(by_q.q())
+    cal = TreeCalibration()
+    for _ in range(30):  # the top token always accepted
+        tree = DynamicTree(shape, 6, cal)
+        cal.learn(_grow(tree), tree.q(), list(range(4)))
+    tree = DynamicTree(shape, 6, cal)
+    d = _grow(tree)
+    top = [i for i, t in enumerate(d.tokens) if t == d.node_depths[i] - 1]  # each level's top token
+    assert all(tree.q()[i] == pytest.approx(0.5) for i in top)
+    assert all(d.confidence[i] > 0.9 for i in top)  # calibrated: accepted every time, not q = 0.5
+
+
 def test_a_calibrated_tree_follows_the_path_that_is_accepted():
     """Raw q (0.5 for the top token) values a depth-6 node at 0.016, below a sibling at the root (0.3): the tree
     stays shallow. Calibrated by verified trees where the top token was always accepted and its siblings never,
@@ -49,9 +68,10 @@ def test_a_calibrated_tree_follows_the_path_that_is_accepted():
     plain = _grow(DynamicTree(shape, 8))
     cal = TreeCalibration()
     for _ in range(50):
-        d = _grow(DynamicTree(shape, 8, cal))
+        tree = DynamicTree(shape, 8, cal)
+        d = _grow(tree)
         # the target commits the top token at each depth: 0, 1, 2, ...
-        cal.learn(d, list(range(7)))
+        cal.learn(d, tree.q(), list(range(7)))
     calibrated = _grow(DynamicTree(shape, 8, cal))
     assert plain.depth < 6 and calibrated.depth == 6
     assert calibrated.tokens[: 1] == [0]

@@ -161,7 +161,7 @@ def test_sampled_trees_cut_by_the_rule_follow_the_target(kind, stat_target, cuts
     for i in range(S_N):
         params = SamplingParams(max_tokens=3, temperature=1.0, seed=i)
         res = decode(stat_target, S_PROMPT, params, drafter=make(), spec=SpecConfig(k=4, policy="dspark"),
-                     profile=linear_profile(0.25))  # both sides of the rule, often
+                     profile=linear_profile(0.22 if kind == "point-mass tree" else 0.25))  # both sides, often
         samples[i] = res.token_ids
     assert cuts["cut"] > S_N // 10 and cuts["whole"] > S_N // 10
     assert failures(samples, exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)) == []

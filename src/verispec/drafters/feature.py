@@ -150,7 +150,6 @@ class FeatureDrafter(Drafter):
                     r = requests[i]
                     drafts[i] = self._tree(r, g[at[i]], logits[at[i] : at[i] + 1], budgets[i],
                                            self._caches[r.seq_id], shapes[i])
-                    self.calibration.proposed(r.seq_id, drafts[i])
         finally:
             for i in live:
                 self._caches[requests[i].seq_id].truncate(committed[i])  # draft entries never stay
@@ -306,7 +305,9 @@ class FeatureDrafter(Drafter):
             for f, n in enumerate(frontier):
                 state[n] = out[f]
             frontier = tree.grow(frontier, node_q(self._full(logits), r.params))
-        return tree.draft()
+        draft = tree.draft()
+        self.calibration.proposed(r.seq_id, draft, tree.q())
+        return draft
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------

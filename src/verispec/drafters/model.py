@@ -150,8 +150,9 @@ class ModelDrafter(Drafter):
         for i in trees:
             self._caches[requests[i].seq_id].truncate(committed[i])  # drop the tree rows
         drafts = [trees[i].draft() if i in trees else EMPTY_DRAFT for i in range(len(requests))]
-        for r, d in zip(requests, drafts):
-            self.calibration.proposed(r.seq_id, d)
+        for i, (r, d) in enumerate(zip(requests, drafts)):
+            if i in trees:
+                self.calibration.proposed(r.seq_id, d, trees[i].q())
         return drafts
 
     def _room(self, request: DraftRequest, rows: int) -> bool:

@@ -44,16 +44,16 @@ class TreeCalibration:
         self.accepted = [[0.0] * bins for _ in range(ranks)]
         self.pending: dict[int, Draft] = {}  # per sequence: its last tree, until its round is verified
 
-    def proposed(self, seq_id: int, draft: Draft) -> None:
-        """A drafter's tree for a sequence, to learn from once verified (`verified`)."""
+    def proposed(self, seq_id: int, draft: Draft, q: list[float]) -> None:
+        """A drafter's tree for a sequence and each node's draft probability, to learn from once verified."""
         if not draft.is_chain:
-            self.pending[seq_id] = draft
+            self.pending[seq_id] = (draft, q)
 
     def verified(self, seq_id: int, committed: list[int]) -> None:
         """The tokens the sequence's round committed: learn from its last tree, if it drafted one."""
-        draft = self.pending.pop(seq_id, None)
-        if draft is not None:
-            self.learn(draft, committed)
+        pending = self.pending.pop(seq_id, None)
+        if pending is not None:
+            self.learn(*pending, committed)
 
     def _cell(self, q: float, rank: int) -> tuple[int, int]:
         return min(rank, self.ranks - 1), min(int(q * self.bins), self.bins - 1)
@@ -64,15 +64,14 @@ class TreeCalibration:
         r, b = self._cell(q, rank)
         return (self.accepted[r][b] + self.strength * q) / (self.reached[r][b] + self.strength)
 
-    def learn(self, draft: Draft, committed: list[int]) -> None:
-        """One verified tree: from the anchor down the accepted path, every child of a reached node was reached,
-        and the one whose token the target committed was accepted."""
-        if draft.is_chain or draft.confidence is None:
+    def learn(self, draft: Draft, q: list[float], committed: list[int]) -> None:
+        """One verified tree (q: each node's draft probability): from the anchor down the accepted path, every
+        child of a reached node was reached, and the one whose token the target committed was accepted."""
+        if draft.is_chain:
             return
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(draft.parents or ()):
             children.setdefault(parent, []).append(i)
-        q = draft.confidence.tolist()
         node = -1
         for token in committed:
             kids = sorted(children.get(node, []), key=lambda i: -q[i])
@@ -93,8 +92,9 @@ class TreeNode:
     token: int
     parent: int  # index in DynamicTree.nodes, -1 = the anchor
     depth: int  # 1 for a child of the anchor
-    value: float  # product of q along the path, the node included
+    value: float  # product of c along the path, the node included
     prob: float  # q(token | its path)
+    c: float  # its estimated P(accepted | parent accepted): calibrated q where calibrating, else q
 
 
 class DynamicTree:
@@ -121,7 +121,7 @@ class DynamicTree:
             for rank, (p, x) in enumerate(zip(ps, xs)):
                 if p > 0:  # a token q rules out is never worth verifying
                     c = p if self.calibration is None else self.calibration(p, rank)
-                    self.nodes.append(TreeNode(x, parent, depth, base * c, p))
+                    self.nodes.append(TreeNode(x, parent, depth, base * c, p, c))
                     new.append(len(self.nodes) - 1)
         if depth >= self.max_depth or not new:
             return []
@@ -140,7 +140,7 @@ class DynamicTree:
             i = self.nodes[i].parent
         return out[::-1]
 
-    def draft(self) -> Draft:
+    def _kept(self) -> list[int]:
         """The best `max_nodes` nodes by value (a connected tree), in the order they were added (parents first;
         siblings by falling q, the order rejection sampling tries them in)."""
         chosen: set[int] = set()
@@ -149,14 +149,23 @@ class DynamicTree:
                 break
             if self.nodes[i].parent < 0 or self.nodes[i].parent in chosen:
                 chosen.add(i)
-        keep = sorted(chosen)
+        return sorted(chosen)
+
+    def draft(self) -> Draft:
+        """The kept nodes as a draft of point masses; each node's confidence is its c (what the dspark rule
+        multiplies along paths)."""
+        keep = self._kept()
         index = {i: j for j, i in enumerate(keep)}
         nodes = [self.nodes[i] for i in keep]
         return Draft(
             [n.token for n in nodes],
-            confidence=torch.tensor([n.prob for n in nodes]),
+            confidence=torch.tensor([n.c for n in nodes]),
             parents=tuple(-1 if n.parent < 0 else index[n.parent] for n in nodes),
         )
+
+    def q(self) -> list[float]:
+        """The draft probability of each node `draft()` keeps, in its order (TreeCalibration learns by it)."""
+        return [self.nodes[i].prob for i in self._kept()]
 
 
 def frontier_mask(
