@@ -40,6 +40,10 @@ TASKS = ("code_completion", "prose")
 KINDS = ("chain native", "chain torch", "tree native", "tree torch")
 
 
+def arm_policy(arm: str) -> str:
+    return "dspark" if arm.endswith("dspark policy") else "fixed"
+
+
 def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
     """arm -> (drafter spec or None, k, drafter): chains and trees of every zoo drafter that can draft them."""
     d, e, m, md, ds = (zoo / n for n in ("drafter", "eagle", "mtp", "medusa", "dspark"))
@@ -72,6 +76,10 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
                                          "medusa")}
     if (ds / "config.json").is_file():
         arms["dspark chain k=8"] = (f"dspark:{ds}", 8, "dspark")
+    # the dspark policy (per-node budgets by path survival): chains cut to a prefix, trees to a subtree
+    for name in ("eagle chain k=8", "eagle tree 16 (w4 d8)", "mtp tree 16 (w4 d8)", "dspark chain k=8"):
+        if name in arms:
+            arms[f"{name}, dspark policy"] = arms[name]
     return arms
 
 
@@ -134,8 +142,8 @@ def decode_arms(target_dir: Path, dtype: str, task: str, n_prompts: int, max_tok
     tok = Tokenizer.from_dir(target_dir)
     prompts = [tok.encode(r["prompt"])[-(2048 - max_tokens - 40):] for r in load_task(task)[:n_prompts]]
     target = load_model(target_dir, dtype)
-    llms = {name: LLM(target, drafter=spec, k=k, tokenizer=target_dir) if spec else LLM(target, tokenizer=target_dir)
-            for name, (spec, k, _) in arms.items()}
+    llms = {name: LLM(target, drafter=spec, k=k, tokenizer=target_dir, policy=arm_policy(name)) if spec
+            else LLM(target, tokenizer=target_dir) for name, (spec, k, _) in arms.items()}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for llm in llms.values():
         llm.generate(prompts[0], params)
