@@ -7,9 +7,10 @@ verify_cost.png).
    positions, N = 1..64, four ways, interleaved, medians: a chain on the native decoder (what chains run), the
    same chain on the torch path (explicit positions; separates the path's cost from the mask's) and a 4-ary tree
    of N nodes (positions and a tree mask) on the native decoder and on the torch path.
-2. Chains against trees of every zoo drafter that drafts both (the draft model, EAGLE-3 and MTP with EAGLE-2
-   dynamic trees ranked by calibrated q, and at one shape by raw q as EAGLE-2 ranks them, marked "q"; Medusa with
-   its static tree) and DSpark's chain, on code and prose prompts: arms interleaved per
+2. Chains against trees of every zoo drafter that drafts both (the draft model, EAGLE-3, MTP and DSpark's head with
+   EAGLE-2 dynamic trees ranked by calibrated q, and at one shape by raw q as EAGLE-2 ranks them, marked "q"; Medusa
+   with its static tree), with the fixed policy and some under the dspark policy (per-node verification budgets), on
+   code and prose prompts: arms interleaved per
    prompt, medians over repeats; τ, drafting time per round, speed per output token and end to end against plain,
    and whether every output equals plain decoding.
 """
@@ -75,9 +76,15 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
                  "medusa tree 12 (w2)": (f"medusa(path={md}, tree=auto, width=2, depth={heads}, nodes=12)", 12,
                                          "medusa")}
     if (ds / "config.json").is_file():
-        arms["dspark chain k=8"] = (f"dspark:{ds}", 8, "dspark")
+        arms |= {"dspark chain k=8": (f"dspark:{ds}", 8, "dspark"),
+                 # trees from DSpark's head: the chain's block forward, then one small head matmul a level
+                 "dspark tree 16 (w4 d8)": (f"dspark(path={ds}, tree=auto, width=4, depth=8, nodes=16)", 16,
+                                            "dspark"),
+                 "dspark tree 12 (w2 d8)": (f"dspark(path={ds}, tree=auto, width=2, depth=8, nodes=12)", 12,
+                                            "dspark")}
     # the dspark policy (per-node budgets by path survival): chains cut to a prefix, trees to a subtree
-    for name in ("eagle chain k=8", "eagle tree 16 (w4 d8)", "mtp tree 16 (w4 d8)", "dspark chain k=8"):
+    for name in ("eagle chain k=8", "eagle tree 16 (w4 d8)", "mtp tree 16 (w4 d8)", "dspark chain k=8",
+                 "dspark tree 16 (w4 d8)"):
         if name in arms:
             arms[f"{name}, dspark policy"] = arms[name]
     return arms

@@ -18,6 +18,12 @@ positions, so only which positions are visible changes, never their relative dis
 A drafter directory may ship a draft vocabulary (`draft_vocab.json`, FR-Spec; `verispec train draft-vocab`): the
 most frequent tokens of the training text. The LM head and the Markov bias then run over those rows only, the
 costliest per-round ops after the block forward; `block:DIR:full-vocab` / `dspark:DIR:full-vocab` ignore it.
+
+Trees (`dspark(path=DIR, tree=auto, width=W, depth=D, nodes=N)`, or a request's tree): the block forward is the
+chain's; a node at depth j with token x has as children the top W tokens of U_{j+1} plus the Markov bias from x
+(the parallel head: U_{j+1} alone), grown and kept as EAGLE-2's dynamic trees are (drafters.tree), at most the
+block's G deep. Each level costs one small matmul of the head, not a forward. The RNN head's state follows a path,
+so it drafts chains only.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from verispec.cache import KVCache
-from verispec.config import ModelConfig
+from verispec.config import ModelConfig, TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
 from verispec.drafters.files import check_state, check_target, save_drafter_dir, zoo_spec
+from verispec.drafters.tree import TREE_OPTIONS, DynamicTree, TreeCalibration, node_q, tree_config
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
@@ -52,7 +59,8 @@ class BlockDrafter(Drafter):
     name = "block"
 
     def __init__(self, model: BlockDraftModel, target: Transformer, temperatures: list[float] | None = None,
-                 draft_vocab: torch.Tensor | None = None, context_window: int | None = None) -> None:
+                 draft_vocab: torch.Tensor | None = None, context_window: int | None = None,
+                 tree: TreeConfig = TreeConfig()) -> None:
         self.model, self.target = model.eval(), target
         # FR-Spec: the token ids the drafter may propose, ascending (None: all). Block logits and the Markov bias
         # are computed for these columns only; q is zero elsewhere, so rejection sampling stays exact.
@@ -62,7 +70,13 @@ class BlockDrafter(Drafter):
         if self.window < 0:
             raise ValueError(f"context_window must be >= 0 (0: the whole context), got {self.window}")
         # A windowed context sees recent positions only: it may restart after a gap (`observe`).
-        self.capabilities = Capabilities(hidden_layers=tuple(model.config.target_layers), context_gaps=self.window > 0)
+        trees = model.config.head != "rnn"  # an RNN head's state follows one path
+        if tree.enabled and not trees:
+            raise ConfigError("a block drafter with the RNN head drafts chains only (tree=off)")
+        self.tree = tree
+        self.capabilities = Capabilities(hidden_layers=tuple(model.config.target_layers), context_gaps=self.window > 0,
+                                         trees=tree.enabled, tree_requests=trees)
+        self.calibration = TreeCalibration()  # learnt from every verified tree; ranks "calibrated" trees
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
         self._ctx: dict[int, KVCache] = {}
@@ -108,9 +122,10 @@ class BlockDrafter(Drafter):
         self._ctx.pop(seq_id, None)
         self._pending.pop(seq_id, None)
         self._ctx_start.pop(seq_id, None)
+        self.calibration.pending.pop(seq_id, None)
 
     def live_sequences(self) -> set[int]:
-        return set(self._ctx) | set(self._pending) | set(self._ctx_start)
+        return set(self._ctx) | set(self._pending) | set(self._ctx_start) | set(self.calibration.pending)
 
     def observe(self, seq_id: int, start: int, hidden: dict[int, torch.Tensor]) -> None:
         known = self.context_length(seq_id)
@@ -142,6 +157,7 @@ class BlockDrafter(Drafter):
         # Kept as given (Verified: never a view of a whole step's outputs; the engine gathers them compactly).
         keep = {layer: h[: result.num_accepted + 1] for layer, h in result.target_hidden.items()}
         self._pending.setdefault(result.seq_id, []).append(keep)
+        self.calibration.verified(result.seq_id, result.committed)
 
     def context_length(self, seq_id: int) -> int:
         """Positions of this sequence's context known to the drafter (in its cache or waiting for it)."""
@@ -176,7 +192,12 @@ class BlockDrafter(Drafter):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One block forward for all requests (contexts padded to the longest and masked), then the head loop."""
         cfg = self.model.config
-        budgets = [min(r.budget, cfg.block_size) for r in requests]
+        shapes = [(r.tree or self.tree) if self.capabilities.tree_requests else self.tree for r in requests]
+        trees = [s.enabled and r.budget > 1 for s, r in zip(shapes, requests)]
+        # a chain's positions, or a tree's nodes (its depth, the block positions it reads, at most G)
+        budgets = [min(r.budget, s.nodes) if t else min(r.budget, cfg.block_size)
+                   for r, s, t in zip(requests, shapes, trees)]
+        spans = [min(s.depth, cfg.block_size) if t else b for s, t, b in zip(shapes, trees, budgets)]
         live = [i for i, b in enumerate(budgets) if b > 0]
         drafts = [EMPTY_DRAFT] * len(requests)
         if not live:
@@ -213,7 +234,7 @@ class BlockDrafter(Drafter):
         embed = self.target.model.embed_tokens
         h = self.model.block_hidden(embed, anchors, anchor_pos, ctx, mask, new_ctx, ctx_start)  # [R, G, d]
         # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
-        span = max(budgets[i] for i in live)
+        span = max(spans[i] for i in live)
         base = self._block_logits(h[:, :span].to(self.target.dtype))  # [R, span, V'] the block logits U
         ids = self.draft_vocab  # column -> token id (None: the identity)
         if cfg.confidence:  # c_j = sigmoid((h_j . w_h + t[x_{j-1}]) / T_j) (model.confidence_terms): one matmul for
@@ -228,7 +249,9 @@ class BlockDrafter(Drafter):
         looped = []  # rows drafted by the torch head loop below: sampled ones, or greedy without the native kernel
         fast = self._native_markov() if cfg.head == "markov" else None
         for row, i in enumerate(live):
-            if not requests[i].params.greedy:
+            if trees[i]:
+                drafts[i] = self._tree(requests[i], base[row, : spans[i]], anchor_ids[row], budgets[i], shapes[i])
+            elif not requests[i].params.greedy:
                 looped.append(row)
             elif cfg.head == "none":  # parallel: every position is independent
                 best = base[row, : budgets[i]].argmax(-1)
@@ -242,6 +265,8 @@ class BlockDrafter(Drafter):
                             base[looped], h[looped, :span], anchors[looped], [tokens[row] for row in looped], probs,
                             looped)
         for row, i in enumerate(live):
+            if trees[i]:
+                continue
             conf = None
             if cfg.confidence:  # c_j from h_j and x_{j-1} only: never from the token about to be drawn
                 prev = [anchor_ids[row], *tokens[row][:-1]]
@@ -249,6 +274,34 @@ class BlockDrafter(Drafter):
                                      for j, x in enumerate(prev)], device=device)
             drafts[i] = Draft.chain(tokens[row], probs[row], conf)
         return drafts
+
+    def _tree(self, r: DraftRequest, base: torch.Tensor, anchor: int, budget: int, shape: TreeConfig) -> Draft:
+        """A dynamic tree from the block logits base [depth, V'] of one request: each level's frontier nodes get
+        their next-token distribution from U_{j+1} and the head's bias from their own token, in one matmul."""
+        tree = DynamicTree(shape, budget, self.calibration if shape.rank == "calibrated" else None)
+        ids, vocab = self.draft_vocab, self.target.config.vocab_size
+        markov = self.model.config.head == "markov"
+        w2 = self.model.markov_out.weight if markov else None
+        if markov and ids is not None:
+            w2 = self._derived("w2_vocab", (w2,), lambda: self.model.markov_out.weight[ids].contiguous())
+
+        def q(prev: list[int], depth: int) -> torch.Tensor:  # the nodes' tokens -> [F, V] q of their children
+            logits = base[depth].expand(len(prev), -1)
+            if markov:
+                x = torch.tensor(prev, device=base.device)
+                logits = logits + F.linear(self.model.markov_in(x), w2).float()
+            small = node_q(logits, r.params)
+            return small if ids is None else small.new_zeros(len(prev), vocab).index_copy_(1, ids, small)
+
+        frontier = tree.grow([-1], q([anchor], 0))
+        while frontier:
+            depth = tree.nodes[frontier[0]].depth  # a frontier is one level
+            if depth >= base.shape[0]:
+                break
+            frontier = tree.grow(frontier, q([tree.nodes[n].token for n in frontier], depth))
+        draft = tree.draft()
+        self.calibration.proposed(r.seq_id, draft, tree.q())
+        return draft
 
     def _head_loop(self, requests, budgets, base, states, prev, tokens, probs, rows) -> None:
         """Draft left to right in torch, all given requests together: x_j from U_j plus the sequential head's bias
@@ -388,9 +441,9 @@ def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftM
 
 
 def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool = True,
-                       context_window: int | None = None) -> BlockDrafter:
+                       context_window: int | None = None, tree: TreeConfig = TreeConfig()) -> BlockDrafter:
     """A trained block drafter for `target`; `draft_vocab=False` ignores the directory's draft vocabulary,
-    `context_window` overrides the checkpoint's (0: the whole context)."""
+    `context_window` overrides the checkpoint's (0: the whole context), `tree` drafts trees by default."""
     path = Path(path)
     t = target.config
     model = read_block_drafter(path, t)
@@ -407,7 +460,7 @@ def load_block_drafter(path: str | Path, target: Transformer, draft_vocab: bool 
         model.bf16_matmuls = True
     model = model.to(device=target.device, dtype=dtype)
     model.rotary_emb = type(model.rotary_emb)(t).to(target.device)  # RoPE tables stay fp32 (cast per call)
-    return BlockDrafter(model.prepare_inference(), target, temps, vocab, context_window)
+    return BlockDrafter(model.prepare_inference(), target, temps, vocab, context_window, tree)
 
 
 VOCAB_FILE = "draft_vocab.json"
@@ -425,9 +478,28 @@ def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
         raise CheckpointError(f"{f} is not a draft vocabulary: {e}") from None
 
 
-def _load_spec(arg: str, target: Transformer) -> BlockDrafter:
-    """DIR followed by options, each after a colon: `full-vocab` (ignore the directory's draft vocabulary) and
-    `window=N` (see only the latest N..2N context positions; 0: all of them)."""
+def _load_spec(arg: str | None, target: Transformer, kind: str, options: dict[str, str] | None) -> BlockDrafter:
+    """`kind:DIR` followed by options, each after a colon: `full-vocab` (ignore the directory's draft vocabulary)
+    and `window=N` (see only the latest N..2N context positions; 0: all of them); or structured,
+    `kind(path=DIR, window=N, vocab=draft|full, tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q)`."""
+    if options:  # a structured spec (the `kind:DIR` form has none)
+        opts = dict(options)
+        path = opts.pop("path", None) or arg
+        tree = tree_config(opts, kind)
+        window, vocab = opts.pop("window", None), opts.pop("vocab", "draft")
+        if opts:
+            raise ConfigError(f"{kind} takes no option {sorted(opts)[0]!r}; options: path, window, vocab, "
+                              f"{', '.join(TREE_OPTIONS)}")
+        if path is None:
+            raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
+        if window is not None and not window.isdigit():
+            raise ConfigError(f"{kind} option window: expected a whole number >= 0, got {window!r}")
+        if vocab not in ("draft", "full"):
+            raise ConfigError(f"{kind} option vocab: draft or full, got {vocab!r}")
+        return load_block_drafter(path, target, draft_vocab=vocab == "draft",
+                                  context_window=None if window is None else int(window), tree=tree)
+    if arg is None:
+        raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
     path, full, window = arg, False, None
     while True:
         head, sep, option = path.rpartition(":")
@@ -444,23 +516,22 @@ def _load_spec(arg: str, target: Transformer) -> BlockDrafter:
     return load_block_drafter(path, target, draft_vocab=not full, context_window=window)
 
 
-@register_drafter("block", bench_spec=zoo_spec("block"))
-def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
+@register_drafter("block", bench_spec=zoo_spec("block"), structured=True)
+def _build_block(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
+                 options: dict[str, str] | None = None) -> BlockDrafter:
     """`block:DIR[:full-vocab][:window=N]`: a trained parallel (or DSpark) block drafter for this target; with
     `:full-vocab` it drafts from every token even where DIR ships a draft vocabulary, `:window=N` overrides the
-    checkpoint's context window (0: the whole context)."""
-    if arg is None:
-        raise CheckpointError("the block drafter needs a checkpoint: block:DIR")
-    return _load_spec(arg, target)
+    checkpoint's context window (0: the whole context). Structured: `block(path=DIR, window=N, vocab=draft|full,
+    tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q)`."""
+    return _load_spec(arg, target, "block", options)
 
 
-@register_drafter("dspark", bench_spec=zoo_spec("dspark"))
-def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device) -> BlockDrafter:
+@register_drafter("dspark", bench_spec=zoo_spec("dspark"), structured=True)
+def _build_dspark(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
+                  options: dict[str, str] | None = None) -> BlockDrafter:
     """`dspark:DIR[:full-vocab][:window=N]`: a block drafter with DSpark's sequential head (Markov or RNN, as its
-    checkpoint says) and confidence head."""
-    if arg is None:
-        raise CheckpointError("the dspark drafter needs a checkpoint: dspark:DIR")
-    drafter = _load_spec(arg, target)
+    checkpoint says) and confidence head; structured as `block(...)`, trees from its head (a Markov one)."""
+    drafter = _load_spec(arg, target, "dspark", options)
     if drafter.model.config.head == "none":
-        raise CheckpointError(f"{arg} is a parallel block drafter; load it as block:{arg}")
+        raise CheckpointError(f"{arg or (options or {}).get('path')} is a parallel block drafter; load it as block")
     return drafter

@@ -27,8 +27,7 @@ from verispec.drafters.base import (
 )
 from verispec.drafters.block import check_draft_vocab, load_draft_vocab
 from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
-from verispec.drafters.model import TREE_OPTIONS, tree_config
-from verispec.drafters.tree import DynamicTree, TreeCalibration, frontier_mask, node_q
+from verispec.drafters.tree import TREE_OPTIONS, DynamicTree, TreeCalibration, frontier_mask, node_q, tree_config
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel

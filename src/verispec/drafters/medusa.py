@@ -18,8 +18,7 @@ from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
 from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
-from verispec.drafters.model import TREE_OPTIONS, tree_config
-from verispec.drafters.tree import node_q
+from verispec.drafters.tree import TREE_OPTIONS, node_q, tree_config
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.medusa import MedusaConfig, MedusaHeads
 from verispec.model.packing import PackedLinear

@@ -13,7 +13,7 @@ from verispec.config import TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.tree import DynamicTree, TreeCalibration, frontier_mask, node_q
+from verispec.drafters.tree import TREE_OPTIONS, DynamicTree, TreeCalibration, frontier_mask, node_q, tree_config
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model
 from verispec.model.transformer import Transformer
@@ -190,26 +190,6 @@ def check_vocab_compatible(target_dir: Path | None, draft_dir: Path, target: Tra
 
 def _bench_spec(zoo: Path) -> str | None:
     return f"model:{zoo / 'drafter'}" if (zoo / "drafter" / "config.json").is_file() else None
-
-
-TREE_OPTIONS = ("tree", "width", "depth", "nodes", "rank")
-
-
-def tree_config(options: dict[str, str], who: str) -> TreeConfig:
-    """A TreeConfig from a structured spec's tree options (popped from `options`), TreeConfig's defaults filling
-    the rest."""
-    values: dict[str, object] = {}
-    if "tree" in options:
-        values["mode"] = options.pop("tree")
-    if "rank" in options:
-        values["rank"] = options.pop("rank")
-    for key in ("width", "depth", "nodes"):
-        if key in options:
-            try:
-                values[key] = int(options.pop(key))
-            except ValueError:
-                raise ConfigError(f"{who} option {key}: expected an integer") from None
-    return TreeConfig(**values)
 
 
 @register_drafter("model", bench_spec=_bench_spec, structured=True)

@@ -21,6 +21,7 @@ import torch
 
 from verispec.config import SamplingParams, TreeConfig
 from verispec.drafters.base import Draft
+from verispec.errors import ConfigError
 from verispec.sampling import probs_for
 
 
@@ -182,3 +183,23 @@ def frontier_mask(
         mask[f, length + f] = True
         rows[node] = length + f
     return mask
+
+
+TREE_OPTIONS = ("tree", "width", "depth", "nodes", "rank")
+
+
+def tree_config(options: dict[str, str], who: str) -> TreeConfig:
+    """A TreeConfig from a structured spec's tree options (popped from `options`), TreeConfig's defaults filling
+    the rest."""
+    values: dict[str, object] = {}
+    if "tree" in options:
+        values["mode"] = options.pop("tree")
+    if "rank" in options:
+        values["rank"] = options.pop("rank")
+    for key in ("width", "depth", "nodes"):
+        if key in options:
+            try:
+                values[key] = int(options.pop(key))
+            except ValueError:
+                raise ConfigError(f"{who} option {key}: expected an integer") from None
+    return TreeConfig(**values)
