@@ -71,11 +71,12 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_limit: int) 
 
 class _LengthPolicy:
     """SpecConfig.policy == "dspark" for one sequence: DSpark's Algorithm 1 with one request (`policies.dspark_cut`,
-    the engine's rule for a step of one request). Each round verifies the draft prefix that maximises expected
-    tokens per second, tau(n) / (draft_s + step_time(n + 1, context)), admitting position j only while it still raises that
-    ratio: the cut at j depends on c_1..c_j alone (each c_j on the tokens before x_j), never on x_j, so sampling
-    stays lossless. c_j is the drafter's confidence where it gives one, else this sequence's past acceptance at
-    position j, learnt from whole proposals (`policies.learn_from_proposals`)."""
+    the engine's rule for a step of one request). Each round verifies the draft prefix (a tree: the subtree) that
+    maximises expected tokens per second, tau(n) / (draft_s + step_time(n + 1, context)), admitting position j only
+    while it still raises that ratio: the cut at j depends on c_1..c_j alone (each c_j on the tokens before x_j),
+    never on x_j, so sampling stays lossless. c_j is the drafter's confidence where it gives one, else this
+    sequence's past acceptance at position j (a tree node's: at its depth), learnt from whole chain proposals
+    (`policies.learn_from_proposals`)."""
 
     def __init__(self, target: Transformer, k: int, profile: StepProfile | None = None) -> None:
         self.profile = profile or load_or_measure(target)
@@ -123,7 +124,8 @@ def decode_stream(
     validate_prompt(prompt_ids, target.config.vocab_size, limit)
     if drafter is not None and spec.tree is not None and spec.tree.enabled and not (
             drafter.capabilities.trees or drafter.capabilities.tree_requests):
-        raise ConfigError("this drafter drafts chains only; a tree needs model, eagle, mtp or medusa")
+        raise ConfigError("this drafter drafts chains only; a tree needs model, eagle, mtp, medusa, dspark or block "
+                          "(not an RNN head)")
     if eos_token_ids is None:
         eos_token_ids = tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else target.config.eos_token_id
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)

@@ -148,7 +148,8 @@ class Engine:
         if drafter is not None:
             caps = self.drafter(drafter).capabilities  # fail now, not inside a step, if the spec is bad
             if spec.tree is not None and spec.tree.enabled and not (caps.trees or caps.tree_requests):
-                raise ConfigError(f"drafter {drafter!r} drafts chains only; a tree needs model, eagle, mtp or medusa")
+                raise ConfigError(f"drafter {drafter!r} drafts chains only; a tree needs model, eagle, mtp, medusa, "
+                                  "dspark or block (not an RNN head)")
         max_positions = min(self.limit, len(prompt) + params.max_tokens + k + 1)
         if max_positions > self.config.cache_budget_tokens:
             raise ConfigError(
