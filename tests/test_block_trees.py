@@ -132,3 +132,19 @@ def test_sampled_block_trees_follow_the_target(stat_target):
         trees += res.stats.num_draft_tokens > res.stats.num_drafts * 1  # more nodes than one per round: a tree
     assert trees > S_N // 2
     assert failures(samples, exact_pair_joints(stat_target, S_PROMPT, S_PARAMS)) == []
+
+
+def test_loaded_dspark_trees_stay_exact_on_a_bf16_target(tmp_path, target):
+    """As loaded for serving: a bf16 target on CPU (its tree forwards on the native decoder), the drafter in fp32
+    over packed weights, a tree asked for in the spec: greedy output equals the bf16 target's plain decoding."""
+    from verispec.model import load_model, save_model
+
+    save_model(target, tmp_path / "t")
+    bf16 = load_model(tmp_path / "t", "bf16")
+    save_block_drafter(make_block(target, head="markov", confidence=True, block_size=6, std=0.1), tmp_path / "d")
+    drafter = build_drafter(f"dspark(path={tmp_path / 'd'}, tree=auto, width=2, depth=4, nodes=8)", target=bf16,
+                            dtype=torch.bfloat16, device=torch.device("cpu"))
+    for prompt in PROMPTS[:2]:
+        out = decode(bf16, prompt, GREEDY, drafter=drafter, spec=SpecConfig(k=8))
+        assert out.token_ids == decode(bf16, prompt, GREEDY).token_ids
+        assert out.stats.num_draft_tokens > out.stats.num_drafts  # trees: more nodes than rounds
