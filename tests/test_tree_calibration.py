@@ -8,9 +8,12 @@ from conftest import tiny_model
 
 from verispec.config import SamplingParams, SpecConfig, TreeConfig
 from verispec.decode import decode
-from verispec.drafters import Draft, ModelDrafter, build_drafter
+from verispec.drafters import Draft, DraftRequest, ModelDrafter, build_drafter
+from verispec.drafters.feature import FeatureDrafter
 from verispec.drafters.tree import DynamicTree, TreeCalibration
 from verispec.errors import ConfigError
+
+GREEDY = SamplingParams(max_tokens=1)
 
 
 def test_learn_walks_the_accepted_path_and_counts_every_reached_child():
@@ -25,8 +28,8 @@ def test_learn_walks_the_accepted_path_and_counts_every_reached_child():
     cal.learn(draft, q, [7, 8])  # the first level rejected: its two children reached, nothing accepted
     assert cal.reached[0][6] == 2 and cal.accepted[0][6] == 1
     assert cal(0.65, 0) == pytest.approx((1 + 4 * 0.65) / (2 + 4))  # shrunk toward q while the cell is thin
-    cal.learn(Draft.chain([1, 2]), [0.5, 0.5], [1, 2])  # chains teach nothing
-    assert sum(map(sum, cal.reached)) == 6
+    cal.learn(Draft.chain([1, 2]), [0.5, 0.5], [1, 9])  # a chain: each node its parent's only (rank-0) child
+    assert cal.reached[0][5] == 3 and cal.accepted[0][5] == 1 and sum(map(sum, cal.reached)) == 8
 
 
 def _grow(tree: DynamicTree, vocab: int = 16) -> Draft:
@@ -99,3 +102,30 @@ def test_greedy_trees_under_either_ranking_equal_plain(rank):
         assert out.token_ids == plain
     if rank == "calibrated":
         assert sum(map(sum, drafter.calibration.reached)) > 0
+
+
+def test_an_eagle_chains_confidence_is_calibrated_and_its_rounds_teach_the_calibration():
+    """The dspark rule multiplies a chain's confidences: an EAGLE-3/MTP head's raw top probability is far below its
+    top token's acceptance, so the chain reports the rank-0 cell's calibrated acceptance (rank=q keeps raw q), and
+    every verified chain teaches that cell."""
+    from test_feature_drafters import _fresh, make_feature
+
+    target = tiny_model(0, 0.2)
+    model, tokens = make_feature(target, "eagle"), [5, 17, 3, 44, 9, 60, 2]
+    raw = _fresh(model, target, tokens, TreeConfig(rank="q")).propose([DraftRequest(1, tokens, 4, GREEDY, None)])[0]
+    taught = TreeCalibration()
+    for _ in range(40):  # chains whose every token was accepted, in every bin
+        for q in (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95):
+            taught.learn(Draft.chain([1, 2]), [q, q], [1, 2, 3])
+    drafter = _fresh(model, target, tokens, TreeConfig())
+    drafter.calibration = taught
+    mine = drafter.propose([DraftRequest(1, tokens, 4, GREEDY, None)])[0]
+    assert mine.tokens == raw.tokens and len(mine.tokens) == 4
+    assert mine.confidence.tolist() == pytest.approx([taught(q, 0) for q in raw.confidence.tolist()])
+    assert all(c > 0.95 for c in mine.confidence.tolist()) and min(raw.confidence.tolist()) < 0.95
+
+    drafter = FeatureDrafter(model, target, TreeConfig())
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = decode(target, tokens, params, drafter=drafter, spec=SpecConfig(k=4, policy="dspark"))
+    assert out.token_ids == decode(target, tokens, params).token_ids
+    assert sum(drafter.calibration.reached[0]) >= out.stats.num_drafts > 0 and not drafter.calibration.pending

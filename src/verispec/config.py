@@ -247,8 +247,8 @@ class TreeConfig:
     `width` most valuable new nodes are expanded with their `width` most probable children, for `depth` levels, and
     the best `nodes` of them all are verified (never more than the round's budget, SpecConfig.k / EngineConfig.k, so
     raise k with nodes). A node's value is the product along its path of its drafter's q (`rank="q"`, EAGLE-2's) or
-    of q calibrated by past verified trees (`rank="calibrated"`; Medusa's static trees ignore it). Chains are the
-    default."""
+    of q calibrated by past verified drafts (`rank="calibrated"`; Medusa's static trees ignore it). Chains are the
+    default; an EAGLE-3/MTP chain's confidences (what the dspark rule cuts by) are calibrated the same way."""
 
     mode: str = "off"  # off: chains; auto: a dynamic tree each round (a chain where the budget leaves one node)
     width: int = 4  # children per expanded node, and nodes expanded per depth (EAGLE-2's top_k)

@@ -60,7 +60,7 @@ class FeatureDrafter(Drafter):
         self._head: tuple[torch.Tensor, torch.Tensor, PackedWeight | None] | None = None
         self._fused: tuple[tuple, FusedFeature | None] | None = None  # (the _head it was made with, the step)
         self._ids = None if self.draft_vocab is None else self.draft_vocab.tolist()  # draft row -> token id
-        self.calibration = TreeCalibration()  # learnt from every verified tree; ranks "calibrated" trees
+        self.calibration = TreeCalibration()  # learnt from every verified draft; "calibrated" trees and chains
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, seq_id: int, prompt: list[int]) -> None:
@@ -243,7 +243,14 @@ class FeatureDrafter(Drafter):
                 g = g[going]
             logits, g = self._packed_step(caches, [1] * len(going), x, g, torch.arange(len(going)))
             live = [live[row] for row in going]
-        return [Draft.chain(t, torch.stack(q) if q else None, torch.tensor(c)) for t, q, c in zip(tokens, rows, conf)]
+        drafts = []
+        for r, t, q, p in zip(requests, tokens, rows, conf):
+            # c: the rank-0 cell's past acceptance (what the dspark rule cuts by), learnt from this chain once verified
+            calibrated = (r.tree or self.tree).rank == "calibrated"
+            c = [self.calibration(x, 0) for x in p] if calibrated else p
+            drafts.append(Draft.chain(t, torch.stack(q) if q else None, torch.tensor(c)))
+            self.calibration.proposed(r.seq_id, drafts[-1], p)
+        return drafts
 
     def _token(self, row: int) -> int:
         return row if self._ids is None else self._ids[row]

@@ -33,22 +33,23 @@ def node_q(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [F,
 
 class TreeCalibration:
     """Online P(a node is accepted | its parent was), by the node's q and its rank among its siblings, learnt from
-    verified trees: EAGLE-2's values multiply q, which for the zoo's EAGLE-3 and MTP drafters is far below their
-    top-1 tokens' acceptance (their chains of 8 commit 6.9-7.25 tokens a round), so the deep nodes of the likely path
-    lost to siblings near the root and the trees stayed shallow (reports/trees). Ranking only: which nodes are
-    drafted never changes what verification accepts."""
+    verified trees and chains (a chain's node is its parent's only, rank-0 child): EAGLE-2's values multiply q, which
+    for the zoo's EAGLE-3 and MTP drafters is far below their top-1 tokens' acceptance (their chains of 8 commit
+    6.9-7.25 tokens a round), so the deep nodes of the likely path lost to siblings near the root and the trees
+    stayed shallow, and the dspark rule, reading raw q as a chain's c, cut chains it should have kept
+    (reports/trees). Ranking and cutting only: which nodes are drafted never changes what verification accepts."""
 
     def __init__(self, bins: int = 10, ranks: int = 3, strength: float = 4.0) -> None:
         self.bins, self.ranks, self.strength = bins, ranks, strength
         # [rank][bin] counts as Python floats: read for every node a tree grows (a tensor element read cost 7.8 us)
         self.reached = [[0.0] * bins for _ in range(ranks)]
         self.accepted = [[0.0] * bins for _ in range(ranks)]
-        self.pending: dict[int, Draft] = {}  # per sequence: its last tree, until its round is verified
+        # per sequence: its last draft and each node's q, until its round is verified
+        self.pending: dict[int, tuple[Draft, list[float]]] = {}
 
     def proposed(self, seq_id: int, draft: Draft, q: list[float]) -> None:
-        """A drafter's tree for a sequence and each node's draft probability, to learn from once verified."""
-        if not draft.is_chain:
-            self.pending[seq_id] = (draft, q)
+        """A drafter's draft for a sequence and each node's draft probability, to learn from once verified."""
+        self.pending[seq_id] = (draft, q)
 
     def verified(self, seq_id: int, committed: list[int]) -> None:
         """The tokens the sequence's round committed: learn from its last tree, if it drafted one."""
@@ -66,12 +67,10 @@ class TreeCalibration:
         return (self.accepted[r][b] + self.strength * q) / (self.reached[r][b] + self.strength)
 
     def learn(self, draft: Draft, q: list[float], committed: list[int]) -> None:
-        """One verified tree (q: each node's draft probability): from the anchor down the accepted path, every
+        """One verified draft (q: each node's draft probability): from the anchor down the accepted path, every
         child of a reached node was reached, and the one whose token the target committed was accepted."""
-        if draft.is_chain:
-            return
         children: dict[int, list[int]] = {}
-        for i, parent in enumerate(draft.parents or ()):
+        for i, parent in enumerate(draft.node_parents):
             children.setdefault(parent, []).append(i)
         node = -1
         for token in committed:
