@@ -283,7 +283,7 @@ def write_readme(out: Path, res: dict, command: str) -> None:
     by_n = {r["nodes"]: r for r in cost}
     a = res["args"]
     L = ["# Draft trees and the peers' drafters on a CPU (issue 21)", "",
-         "Produced by one command (about 15 minutes; the numbers are also in results.json):", "", "```bash", command,
+         "Produced by one command (5-15 minutes depending on the host; the numbers are also in results.json):", "", "```bash", command,
          "```", "", "Machine (lscpu):", "", "```", *res["cpu"], "```", "",
          f"## Verify cost per node count ({a['dtype']} zoo/target, {a['context']} cached positions, 2 threads)", "",
          "One target forward of the anchor and N draft nodes, median of interleaved repeats, ms. *chain native*: "
