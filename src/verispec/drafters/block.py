@@ -41,8 +41,8 @@ from verispec.config import ModelConfig, TreeConfig
 from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
-from verispec.drafters.files import check_state, check_target, save_drafter_dir, zoo_spec
-from verispec.drafters.tree import TREE_OPTIONS, DynamicTree, TreeCalibration, node_q, tree_config
+from verispec.drafters.files import check_state, check_target, dir_options, save_drafter_dir, zoo_spec
+from verispec.drafters.tree import DynamicTree, TreeCalibration, node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.block import BlockConfig, BlockDraftModel
@@ -483,21 +483,9 @@ def _load_spec(arg: str | None, target: Transformer, kind: str, options: dict[st
     and `window=N` (see only the latest N..2N context positions; 0: all of them); or structured,
     `kind(path=DIR, window=N, vocab=draft|full, tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q)`."""
     if options:  # a structured spec (the `kind:DIR` form has none)
-        opts = dict(options)
-        path = opts.pop("path", None) or arg
-        tree = tree_config(opts, kind)
-        window, vocab = opts.pop("window", None), opts.pop("vocab", "draft")
-        if opts:
-            raise ConfigError(f"{kind} takes no option {sorted(opts)[0]!r}; options: path, window, vocab, "
-                              f"{', '.join(TREE_OPTIONS)}")
-        if path is None:
-            raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
-        if window is not None and not window.isdigit():
-            raise ConfigError(f"{kind} option window: expected a whole number >= 0, got {window!r}")
-        if vocab not in ("draft", "full"):
-            raise ConfigError(f"{kind} option vocab: draft or full, got {vocab!r}")
-        return load_block_drafter(path, target, draft_vocab=vocab == "draft",
-                                  context_window=None if window is None else int(window), tree=tree)
+        o = dir_options(kind, arg, options)
+        return load_block_drafter(o.path, target, draft_vocab=o.draft_vocab, context_window=o.context_window,
+                                  tree=o.tree)
     if arg is None:
         raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
     path, full, window = arg, False, None

@@ -26,8 +26,9 @@ from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
 from verispec.drafters.block import check_draft_vocab, load_draft_vocab
-from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
-from verispec.drafters.tree import TREE_OPTIONS, DynamicTree, TreeCalibration, frontier_mask, node_q, tree_config
+from verispec.drafters.files import (check_state, check_target, dir_options, read_drafter_meta, save_drafter_dir,
+                                     zoo_spec)
+from verispec.drafters.tree import DynamicTree, TreeCalibration, frontier_mask, node_q
 from verispec.errors import CheckpointError, ConfigError
 from verispec.kernels import native
 from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftModel
@@ -358,22 +359,9 @@ def load_feature_drafter(path: str | Path, target: Transformer, kind: str, tree:
 def _factory(kind: str):
     def build(arg: str | None, *, target: Transformer, dtype: torch.dtype, device: torch.device,
               options: dict[str, str] | None = None) -> FeatureDrafter:
-        opts = dict(options or {})
-        path = opts.pop("path", None) or arg
-        tree = tree_config(opts, kind)
-        window = opts.pop("window", None)
-        full = opts.pop("vocab", "draft")
-        if opts:
-            raise ConfigError(f"{kind} takes no option {sorted(opts)[0]!r}; options: path, window, vocab, "
-                              f"{', '.join(TREE_OPTIONS)}")
-        if path is None:
-            raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
-        if window is not None and not window.isdigit():
-            raise ConfigError(f"{kind} option window: expected a whole number >= 0, got {window!r}")
-        if full not in ("draft", "full"):
-            raise ConfigError(f"{kind} option vocab: draft or full, got {full!r}")
-        return load_feature_drafter(path, target, kind, tree, draft_vocab=full == "draft",
-                                    context_window=None if window is None else int(window))
+        o = dir_options(kind, arg, options or {})
+        return load_feature_drafter(o.path, target, kind, o.tree, draft_vocab=o.draft_vocab,
+                                    context_window=o.context_window)
 
     build.__doc__ = (f"`{kind}:DIR` or `{kind}(path=DIR, tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q, "
                      f"window=W, vocab=draft|full)`: a trained {kind} drafter for this target.")

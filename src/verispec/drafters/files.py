@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from verispec.config import ModelConfig
-from verispec.errors import CheckpointError
+from verispec.config import ModelConfig, TreeConfig
+from verispec.drafters.tree import TREE_OPTIONS, tree_config
+from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import DRAFTER_KIND_KEY
 
 TARGET_KEYS = ("hidden_size", "vocab_size", "num_hidden_layers")
@@ -35,6 +37,34 @@ def zoo_spec(kind: str) -> Callable[[Path], str | None]:
         return f"{kind}:{zoo / kind}" if (zoo / kind / "config.json").is_file() else None
 
     return spec
+
+
+@dataclass(frozen=True)
+class DirOptions:
+    """A structured spec's options for a drafter directory beside its target."""
+    path: str
+    tree: TreeConfig
+    draft_vocab: bool  # use the directory's draft vocabulary where it ships one
+    context_window: int | None  # None: the checkpoint's own
+
+
+def dir_options(kind: str, arg: str | None, options: dict[str, str]) -> DirOptions:
+    """`kind(path=DIR, window=N, vocab=draft|full, tree=auto|off, width=W, depth=D, nodes=N, rank=calibrated|q)`;
+    an unknown option or a bad value is a ConfigError naming it."""
+    opts = dict(options)
+    path = opts.pop("path", None) or arg
+    tree = tree_config(opts, kind)
+    window, vocab = opts.pop("window", None), opts.pop("vocab", "draft")
+    if opts:
+        raise ConfigError(f"{kind} takes no option {sorted(opts)[0]!r}; options: path, window, vocab, "
+                          f"{', '.join(TREE_OPTIONS)}")
+    if path is None:
+        raise CheckpointError(f"the {kind} drafter needs a checkpoint: {kind}:DIR")
+    if window is not None and not window.isdigit():
+        raise ConfigError(f"{kind} option window: expected a whole number >= 0, got {window!r}")
+    if vocab not in ("draft", "full"):
+        raise ConfigError(f"{kind} option vocab: draft or full, got {vocab!r}")
+    return DirOptions(path, tree, vocab == "draft", None if window is None else int(window))
 
 
 def read_drafter_meta(path: Path, kinds: tuple[str, ...], what: str) -> dict:
