@@ -129,3 +129,44 @@ def test_an_eagle_chains_confidence_is_calibrated_and_its_rounds_teach_the_calib
     out = decode(target, tokens, params, drafter=drafter, spec=SpecConfig(k=4, policy="dspark"))
     assert out.token_ids == decode(target, tokens, params).token_ids
     assert sum(drafter.calibration.reached[0]) >= out.stats.num_drafts > 0 and not drafter.calibration.pending
+
+
+@pytest.mark.parametrize("shape", [TreeConfig(), TreeConfig("auto", 3, 3, 6)])
+def test_medusa_confidences_are_calibrated_and_its_rounds_teach_the_calibration(shape):
+    """Medusa's heads, like EAGLE-3's, report a top probability far below their tokens' acceptance (the dspark rule
+    cut the zoo's 5-head chains to τ 2.0 from 4.1): chains and static trees report their cells' calibrated acceptance
+    (rank=q keeps raw q), and every verified draft teaches the calibration."""
+    from test_feature_drafters import make_medusa
+
+    from verispec.drafters.medusa import MedusaDrafter
+
+    target = tiny_model(0, 0.2)
+    heads, tokens = make_medusa(target), [5, 17, 3, 44, 9, 60, 2]
+    _, hidden = target(torch.tensor([tokens]), hidden_layers=(heads.config.target_layer,))
+
+    def fresh(tree: TreeConfig) -> MedusaDrafter:
+        d = MedusaDrafter(heads, target, tree)
+        d.start(1, tokens)
+        d.observe(1, 0, {k: v[0, :-1] for k, v in hidden.items()})
+        return d
+
+    raw = fresh(TreeConfig(shape.mode, shape.width, shape.depth, shape.nodes, rank="q"))
+    raw_draft = raw.propose([DraftRequest(1, tokens, 6, GREEDY, None)])[0]
+    taught = TreeCalibration()
+    for _ in range(80):  # drafts whose every node was accepted, in every bin and sibling rank
+        for q in (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95):
+            for rank in range(taught.ranks):
+                taught.reached[rank][taught._cell(q, rank)[1]] += 1
+                taught.accepted[rank][taught._cell(q, rank)[1]] += 1
+    drafter = fresh(shape)
+    drafter.calibration = taught
+    mine = drafter.propose([DraftRequest(1, tokens, 6, GREEDY, None)])[0]
+    assert mine.tokens == raw_draft.tokens and mine.node_parents == raw_draft.node_parents
+    assert all(c > 0.95 for c in mine.confidence.tolist()) and min(raw_draft.confidence.tolist()) < 0.95
+    assert drafter.calibration.pending[1][1] == pytest.approx(raw_draft.confidence.tolist())  # learns from raw q
+
+    drafter = MedusaDrafter(heads, target, shape)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = decode(target, tokens, params, drafter=drafter, spec=SpecConfig(k=6, policy="dspark"))
+    assert out.token_ids == decode(target, tokens, params).token_ids
+    assert sum(map(sum, drafter.calibration.reached)) >= out.stats.num_drafts > 0 and not drafter.calibration.pending

@@ -18,7 +18,7 @@ from verispec.drafters.base import (
     EMPTY_DRAFT, Capabilities, Draft, Drafter, DraftRequest, Verified, register_drafter,
 )
 from verispec.drafters.files import check_state, check_target, read_drafter_meta, save_drafter_dir, zoo_spec
-from verispec.drafters.tree import TREE_OPTIONS, node_q, tree_config
+from verispec.drafters.tree import TREE_OPTIONS, TreeCalibration, node_q, tree_config
 from verispec.errors import CheckpointError, ConfigError
 from verispec.model.medusa import MedusaConfig, MedusaHeads
 from verispec.model.packing import PackedLinear
@@ -36,15 +36,17 @@ class MedusaDrafter(Drafter):
         self.capabilities = Capabilities(hidden_layers=(model.config.target_layer,), trees=tree.enabled,
                                          tree_requests=True)
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (position of the first row, rows [n, d])
+        self.calibration = TreeCalibration()  # learnt from every verified draft: the confidences the dspark rule reads
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
         self._rows[seq_id] = (0, self.target.model.norm.weight.new_zeros(0, self.target.config.hidden_size))
 
     def finish(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
+        self.calibration.pending.pop(seq_id, None)
 
     def live_sequences(self) -> set[int]:
-        return set(self._rows)
+        return set(self._rows) | set(self.calibration.pending)
 
     def _append(self, seq_id: int, start: int, h: torch.Tensor) -> None:
         first, rows = self._rows[seq_id]
@@ -63,6 +65,7 @@ class MedusaDrafter(Drafter):
         first, rows = self._rows[result.seq_id]
         self._append(result.seq_id, first + rows.shape[0],
                      result.target_hidden[self.model.config.target_layer][: result.num_accepted + 1])
+        self.calibration.verified(result.seq_id, result.committed)
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         first, rows = self._rows[seq_id]  # rows cover positions [first, tokens - 1): keep those before num_tokens - 1
@@ -103,9 +106,13 @@ class MedusaDrafter(Drafter):
             n = min(r.budget, k)
             q = node_q(logits[row, :n], r.params)  # [n, V]
             tokens = logits[row, :n].argmax(-1) if r.params.greedy else sample(q, r.generator)
-            # confidence: q's top probability, known before the token is drawn (a sampled chain's cut must not read
-            # the token it cuts, policies.py); the drafted token's own q where greedy
-            drafts[i] = Draft.chain(tokens.tolist(), None if r.params.greedy else q, q.max(dim=-1).values)
+            # p: q's top probability, known before the token is drawn (a sampled chain's cut must not read the token
+            # it cuts, policies.py); c: the rank-0 cell's past acceptance where calibrated (raw p understates the
+            # heads' acceptance: the dspark rule cut chains of 5 to τ 2.0 from 4.1, reports/trees)
+            p = q.max(dim=-1).values.tolist()
+            c = [self.calibration(x, 0) for x in p] if tree.rank == "calibrated" else p
+            drafts[i] = Draft.chain(tokens.tolist(), None if r.params.greedy else q, torch.tensor(c))
+            self.calibration.proposed(r.seq_id, drafts[i], p)
         return drafts
 
     def paths(self, shape: TreeConfig) -> list[tuple[int, ...]]:
@@ -120,7 +127,7 @@ class MedusaDrafter(Drafter):
         width = max(max(p) for p in paths) + 1
         top_p, top_x = q.topk(min(width, q.shape[-1]), dim=-1)  # [K, width]
         index: dict[tuple[int, ...], int] = {}
-        tokens, parents, conf = [], [], []
+        tokens, parents, conf, ranks = [], [], [], []
         for path in paths:
             if len(tokens) == min(r.budget, shape.nodes):
                 break
@@ -131,9 +138,14 @@ class MedusaDrafter(Drafter):
                 continue
             index[path] = len(tokens)
             tokens.append(int(top_x[depth, rank]))
+            ranks.append(rank)
             parents.append(index[path[:-1]] if len(path) > 1 else -1)
             conf.append(float(top_p[depth, rank]))
-        return Draft(tokens, confidence=torch.tensor(conf), parents=tuple(parents))
+        # the static paths rank nothing; the confidences are what the dspark rule cuts the tree by
+        c = [self.calibration(x, rank) for x, rank in zip(conf, ranks)] if shape.rank == "calibrated" else conf
+        draft = Draft(tokens, confidence=torch.tensor(c), parents=tuple(parents))
+        self.calibration.proposed(r.seq_id, draft, conf)
+        return draft
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------
