@@ -84,7 +84,8 @@ def arm_specs(zoo: Path) -> dict[str, tuple[str | None, int, str]]:
                  "dspark tree 12 (w2 d8)": (f"dspark(path={ds}, tree=auto, width=2, depth=8, nodes=12)", 12,
                                             "dspark")}
     # the dspark policy (per-node budgets by path survival): chains cut to a prefix, trees to a subtree
-    for name in ("eagle chain k=8", "eagle tree 16 (w4 d8)", "mtp tree 16 (w4 d8)", "dspark chain k=8",
+    medusa = [a for a in arms if a.startswith("medusa chain")] + ["medusa tree 8"]
+    for name in ("eagle chain k=8", "eagle tree 16 (w4 d8)", "mtp tree 16 (w4 d8)", *medusa, "dspark chain k=8",
                  "dspark tree 16 (w4 d8)"):
         if name in arms:
             arms[f"{name}, dspark policy"] = arms[name]
@@ -283,7 +284,8 @@ def write_readme(out: Path, res: dict, command: str) -> None:
     by_n = {r["nodes"]: r for r in cost}
     a = res["args"]
     L = ["# Draft trees and the peers' drafters on a CPU (issue 21)", "",
-         "Produced by one command (5-15 minutes depending on the host; the numbers are also in results.json):", "", "```bash", command,
+         "Produced by one command (5-15 minutes depending on the host; the numbers are also in results.json):", "",
+         "```bash", command,
          "```", "", "Machine (lscpu):", "", "```", *res["cpu"], "```", "",
          f"## Verify cost per node count ({a['dtype']} zoo/target, {a['context']} cached positions, 2 threads)", "",
          "One target forward of the anchor and N draft nodes, median of interleaved repeats, ms. *chain native*: "

@@ -34,7 +34,7 @@ def node_q(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [F,
 class TreeCalibration:
     """Online P(a node is accepted | its parent was), by the node's q and its rank among its siblings, learnt from
     verified trees and chains (a chain's node is its parent's only, rank-0 child): EAGLE-2's values multiply q, which
-    for the zoo's EAGLE-3 and MTP drafters is far below their top-1 tokens' acceptance (their chains of 8 commit
+    for the zoo's EAGLE-3, MTP and Medusa drafters is far below their top-1 tokens' acceptance (their chains of 8 commit
     6.9-7.25 tokens a round), so the deep nodes of the likely path lost to siblings near the root and the trees
     stayed shallow, and the dspark rule, reading raw q as a chain's c, cut chains it should have kept
     (reports/trees). Ranking and cutting only: which nodes are drafted never changes what verification accepts."""
