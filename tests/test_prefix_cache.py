@@ -142,6 +142,37 @@ def test_hidden_state_drafters_take_hits_with_the_context_a_prefill_gives(dtype,
     assert engine.prefix.hit_tokens == 64
 
 
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_windowed_block_drafter_takes_the_kv_only_blocks_plain_requests_store(dtype):
+    """A drafter whose context may have gaps (a windowed block drafter) needs no hidden states from a hit: it takes
+    the blocks a plain request stored (KV only), its context restarts at the first row the prefill computes, and it
+    drafts from there; outputs equal plain decoding. A prompt whose blocks cover all but its last token still leaves
+    a row before the anchor to restart at (one block less is copied)."""
+    if dtype == "bf16" and not native.available():
+        pytest.skip(no_native_reason())
+    target = tiny_model(6)
+    if dtype == "bf16":
+        target = target.to(torch.bfloat16).pack_weights()
+    model = make_block(target, head="markov", confidence=True)
+    whole = SHARED[:64] + [5]  # 65 tokens: its two full blocks are all but the anchor
+    prompts = [*PROMPTS, whole]
+    plain = [decode(target, p, GREEDY).token_ids for p in prompts]
+    engine = Engine(target, None, EngineConfig(drafter="blk", k=4),
+                    drafters={"blk": BlockDrafter(model, target, context_window=8)})
+    assert engine.drafter("blk").capabilities.context_gaps
+    assert one_at_a_time(engine, prompts[:1], spec=RequestSpec(drafter="none")) == plain[:1]
+    results = []
+    for i, p in enumerate(prompts[1:], start=1):
+        engine.add_request(p, GREEDY, RequestSpec(), request_id=str(i))
+        results.append(engine.run_until_done()[str(i)])
+    engine.check_idle()
+    assert [r.token_ids for r in results] == plain[1:]
+    # both shared blocks for the next two prompts, the first for the 40-token one, one (not two) for `whole`
+    assert engine.prefix.hit_tokens == 64 + 64 + 32 + 32
+    assert all(not h for _, _, h in engine.prefix.entries.values())  # nothing stored beside the KV
+    assert all(r.stats.num_drafts > 0 for r in results)
+
 def test_vericache_takes_no_copied_rows():
     """VeriCache's compressed view follows the rows the target's forwards write: its requests prefill in full."""
     target = tiny_model(6)

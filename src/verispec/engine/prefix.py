@@ -8,12 +8,13 @@ starts with cached blocks gets those rows copied into its own cache and prefills
 Requests own contiguous caches here (not pages), so a hit is a copy (one row of the zoo target is 16 KB; with a
 1,000-token shared prefix the first token came after 23 ms instead of 216, scripts/prefix_ttft.py on a Zen 5),
 entries need no reference counts, and eviction is least recently used by bytes. A block can also keep the target's
-hidden states of its rows at the layers a drafter reads (DSpark, EAGLE, MTP, Medusa): such a drafter's request
-takes a hit only on blocks that have them, and gets them with the rows, so its drafter sees the context a prefill
-would have given it. A drafter reading the target's KV as written (VeriCache) takes no copied rows. Exactness: the
-native kernels compute every row alone, in an order that does not depend on how many rows a forward holds, so a
-copied row (and hidden state) is the one a prefill would have written (tests/test_prefix_cache.py checks outputs
-against plain decoding).
+hidden states of its rows at the layers a drafter reads (DSpark, EAGLE, MTP, Medusa): such a drafter's request takes
+a hit only on blocks that have them, and gets them with the rows, so its drafter sees the context a prefill would
+have given it; a windowed block drafter, whose context may restart anywhere, takes KV-only blocks and restarts its
+context after them (Engine._prefix_layers). A drafter reading the target's KV as written (VeriCache) takes no copied
+rows. Exactness: the native kernels compute every row alone, in an order that does not depend on how many rows a
+forward holds, so a copied row (and hidden state) is the one a prefill would have written
+(tests/test_prefix_cache.py checks outputs against plain decoding).
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ class PrefixCache:
             out.append(prev)
         return out
 
-    def load(self, prompt: list[int], cache: KVCache,
-             layers: tuple[int, ...] = ()) -> tuple[int, dict[int, torch.Tensor]]:  # rows, {layer: [rows, d]}
+    def load(self, prompt: list[int], cache: KVCache, layers: tuple[int, ...] = (),
+             compute: int = 1) -> tuple[int, dict[int, torch.Tensor]]:  # rows, {layer: [rows, d]}
         """Copy the longest cached prefix of `prompt` whose blocks hold hidden states at `layers` into the empty
-        `cache`; the number of rows now in it and those rows' hidden states. The prompt's last token is always
-        left to compute: the first round needs its logits."""
-        usable = self.keys(prompt[: len(prompt) - 1])
+        `cache`; the number of rows now in it and those rows' hidden states. The prompt's last `compute` tokens
+        are always left to compute: the first round needs the last one's logits."""
+        usable = self.keys(prompt[: len(prompt) - compute])
         self.queried_tokens += len(prompt) - 1
         n, hidden = 0, []
         for key in usable:
