@@ -564,16 +564,21 @@ def test_native_block_layers_equal_the_torch_layers(pending, bits, target, nativ
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-def test_native_block_layers_stay_out_of_batches_and_training(target, native_calls):
-    """Batched proposals (padded, masked) and anything that wants a gradient keep the torch layers."""
+def test_native_block_layers_take_batches_in_one_call_and_stay_out_of_training(target, native_calls,
+                                                                                monkeypatch):
+    """A batched proposal runs each layer once for all its sequences (native.block_layers, no padding or mask); a
+    single one takes native.block_layer; anything that wants a gradient keeps the torch layers."""
     model = make_block(target, head="markov", confidence=True).prepare_inference()
     drafter = BlockDrafter(model, target)
+    batches = []
+    inner = native.block_layers
+    monkeypatch.setattr(native, "block_layers", lambda *a, **kw: (batches.append(len(a[2])), inner(*a, **kw))[1])
     reqs = []
     for i, p in enumerate(PROMPTS[:2]):
         _observed(drafter, i, p, target)
         reqs.append(DraftRequest(i, p, 4, SamplingParams(), None))
     drafter.propose(reqs)
-    assert native_calls == []
+    assert native_calls == [] and batches == [2] * model.config.num_layers
     with torch.inference_mode():
         drafter.propose(reqs[:1])
     assert len(native_calls) == model.config.num_layers
@@ -583,6 +588,45 @@ def test_native_block_layers_stay_out_of_batches_and_training(target, native_cal
     with torch.no_grad():
         assert model._native_packs(x.detach(), ctx, None) is not None
         assert model._native_packs(x.detach().bfloat16(), ctx, None) is None
+    with torch.enable_grad():
+        assert not model.native_batch([ctx])
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("pending", [False, True])
+def test_native_batched_proposals_equal_one_at_a_time(pending, bits, target, native_calls):
+    """Sequences of different context lengths (pending rows riding on the proposal or not) drafted together by the
+    native batched layers (dense or int4): each draft and context cache equals the one its sequence gets alone."""
+    model = make_block(target, head="markov", confidence=True, seed=3)
+    if bits:
+        if not native.qavailable():
+            pytest.skip(no_native_reason())
+        quantize_layers(model, bits)
+    model = model.prepare_inference()
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:9]]
+    out = {}
+    for batched in (True, False):
+        drafter = BlockDrafter(model, target)
+        reqs = []
+        for i, p in enumerate(prompts):
+            head = len(p) - (3 if pending else 0)
+            hidden = _observed(drafter, i, p[:head], target)
+            if pending:
+                with torch.inference_mode():
+                    _, full = target(torch.tensor([p]), hidden_layers=(1,))
+                drafter.accept(Verified(i, 2, [], {1: full[1][0, head - 1 : head + 2]}))
+            reqs.append(DraftRequest(i, p, 4, SamplingParams(), None))
+        drafts = drafter.propose(reqs) if batched else [drafter.propose([r])[0] for r in reqs]
+        caches = [drafter._context(i) for i in range(len(prompts))]
+        out[batched] = (drafts, [(c.length, c.k[:, :, :, : c.length].clone(), c.v[:, :, :, : c.length].clone())
+                                 for c in caches])
+    for a, b in zip(out[True][0], out[False][0]):
+        assert a.tokens == b.tokens and len(a.tokens) == 4
+        torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)
+    for (la, ka, va), (lb, kb, vb) in zip(out[True][1], out[False][1]):
+        assert la == lb
+        torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-6)
 
 
 def test_block_drafter_norms_are_native_at_inference_only(target, native_calls, monkeypatch):

@@ -173,6 +173,17 @@ class BlockDrafter(Drafter):
         hidden = {k: chunks[0][k] if len(chunks) == 1 else torch.cat([c[k] for c in chunks]) for k in layers}
         return self.model.context_features(hidden)[None]
 
+    def _take_pending_batch(self, seq_ids: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """Every sequence's pending rows as context features, projected in one pass: [sum(ns), d] (None when
+        there are none) and each sequence's count, in the order of seq_ids."""
+        chunks = [self._pending.pop(sid, None) or [] for sid in seq_ids]
+        layers = self.model.config.target_layers
+        ns = [sum(c[layers[0]].shape[0] for c in cs) for cs in chunks]
+        if not sum(ns):
+            return None, ns
+        hidden = {k: torch.cat([c[k] for cs in chunks for c in cs]) for k in layers}  # [sum(ns), d]
+        return self.model.context_features(hidden), ns
+
     @torch.inference_mode()
     def _flush(self, *seq_ids: int) -> None:
         """Append these sequences' pending rows to their context caches, projected together (one pass per layer
@@ -214,25 +225,26 @@ class BlockDrafter(Drafter):
                 if p - self._ctx_start[sid] > 2 * self.window:
                     self._flush(sid)
                     self._keep_latest(sid, self.window)
-        caches = [self._context(requests[i].seq_id) for i in live]
+        seq_ids = [requests[i].seq_id for i in live]
+        caches = [self._context(sid) for sid in seq_ids]
         anchor_pos = torch.tensor(pos, device=device)
-        new_ctx = None
+        anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
+        embed = self.target.model.embed_tokens
         if len(live) == 1:  # its cache as is (pending rows, then the block's keys/values after its entries), no mask
-            ctx: KVCache | list = caches[0]
-            mask = None
-            ctx_start = self._ctx_start[requests[live[0]].seq_id]
-            new_ctx = self._take_pending(requests[live[0]].seq_id)
+            h = self.model.block_hidden(embed, anchors, anchor_pos, caches[0], None, self._take_pending(seq_ids[0]),
+                                        self._ctx_start[seq_ids[0]])  # [1, G, d]
+        elif self.model.native_batch(caches):  # each over its own cache, pending rows riding along: one call a layer
+            feats, ns = self._take_pending_batch(seq_ids)
+            h = self.model.block_hidden_batch(embed, anchors, anchor_pos, caches, feats, ns,
+                                              [self._ctx_start[sid] for sid in seq_ids])  # [R, G, d]
         else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
-            self._flush(*(requests[i].seq_id for i in live))
-            ctx_start = 0  # unused: no new context rows in a batch
+            self._flush(*seq_ids)
             lengths = torch.tensor([c.length for c in caches], device=device)
             width = int(lengths.max())
             ctx = [(torch.cat([c.k[layer, :, :, :width] for c in caches]),
                     torch.cat([c.v[layer, :, :, :width] for c in caches])) for layer in range(cfg.num_layers)]
             mask = (torch.arange(width, device=device)[None] < lengths[:, None])[:, None, None, :]
-        anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
-        embed = self.target.model.embed_tokens
-        h = self.model.block_hidden(embed, anchors, anchor_pos, ctx, mask, new_ctx, ctx_start)  # [R, G, d]
+            h = self.model.block_hidden(embed, anchors, anchor_pos, ctx, mask)  # [R, G, d]
         # The LM head is the costliest op of a round (V x d per position): only for the positions some request drafts.
         span = max(spans[i] for i in live)
         base = self._block_logits(h[:, :span].to(self.target.dtype))  # [R, span, V'] the block logits U

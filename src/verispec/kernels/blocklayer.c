@@ -1,8 +1,8 @@
 /* One layer of a block drafter's inference forward in one call (model/block.py, _BlockLayer.forward), fp32
- * activations, for a single sequence over its context cache: the layer's dozens of small torch ops cost more
- * than its matmuls at a block's 8-17 rows.
+ * activations, for one sequence or a batch of them, each over its own context cache: the layer's dozens of small
+ * torch ops cost more than its matmuls at a block's 8-17 rows, and a batch's padded, masked contexts more still.
  *
- *   in    = [ctx (n rows, already normed context features) ; rmsnorm(x) (G rows)]
+ *   in    = [ctx (n rows, already normed context features) ; rmsnorm(x) (G rows)]   (per sequence)
  *   q,k,v = in @ Wqkv^T;  q (block rows only) and k get their per-head RMSNorm, then RoPE
  *   cache rows S0 .. S0 + n + G - 1 <- k, v   (the caller commits the n context rows, not the block's)
  *   x    += o_proj(attention(q, cache rows 0 .. S0 + n + G - 1))   (every key visible: bidirectional block)
@@ -56,53 +56,73 @@ static int mm(const float *x, int64_t M, int64_t K, const vs_weight *w, vs_qline
     return weight_matmul(w, qlin, bits, 1, M, K, NULL, N, y, threads);
 }
 
-/* w: the layer's qkv, o_proj, gate_up and down_proj weights; qlin: qgemm.c's vs_qlinear, or NULL where none is
- * quantized. */
-int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, const float *ln1, const float *ln2,
-                   const float *qn, const float *kn, float eps, const vs_weight *w, vs_qlinear_fn qlin, int64_t F,
-                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, float *kc, float *vc,
-                   int64_t ksh, int64_t kss, int64_t S0, int mm_bf16, int threads) {
-    if (D > 512 || D % 2 != 0 || H % Hkv != 0 || G <= 0 || n < 0) return -2;
-    const int64_t R = n + G, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
+/* The layer for `nseq` sequences at once, each over its own context cache: the matmuls take every sequence's rows
+ * together (weights read once a layer, not once a sequence: at 8 sequences the torch path over padded, masked
+ * contexts took 4.2 ms a proposal), attention runs per sequence over its own cache. Rows are back to back per
+ * sequence: x [nseq * G, d]; ctx and cos/sin as the sequences' `in` rows (ns[b] context rows, then G block rows;
+ * ctx holds only the context rows, sum(ns) of them). Sequence b's cache: kcs[b], vcs[b] with head stride kshs[b]
+ * and row stride ksss[b], its rows written from S0s[b]. w: the layer's qkv, o_proj, gate_up and down_proj
+ * weights; qlin: qgemm.c's vs_qlinear, or NULL where none is quantized. */
+int vs_block_layer_batch(float *x, int64_t nseq, int64_t G, int64_t d, const float *ctx, const int64_t *ns,
+                         const float *ln1, const float *ln2, const float *qn, const float *kn, float eps,
+                         const vs_weight *w, vs_qlinear_fn qlin, int64_t F, int64_t H, int64_t Hkv, int64_t D,
+                         const float *cos, const float *sin, float *const *kcs, float *const *vcs,
+                         const int64_t *kshs, const int64_t *ksss, const int64_t *S0s, int mm_bf16, int threads) {
+    if (D > 512 || D % 2 != 0 || H % Hkv != 0 || G <= 0 || nseq <= 0) return -2;
+    int64_t ntot = 0;
+    for (int64_t b = 0; b < nseq; b++) {
+        if (ns[b] < 0) return -2;
+        ntot += ns[b];
+    }
+    const int64_t B = nseq * G, R = ntot + B, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
     int rc = 0;
     float *in = (float *)malloc((size_t)(R * d) * sizeof(float));
     float *qkv = (float *)malloc((size_t)(R * nqkv) * sizeof(float));
-    float *q = (float *)malloc((size_t)(G * nq) * sizeof(float));
-    float *att = (float *)malloc((size_t)(G * nq) * sizeof(float));
-    float *h = (float *)malloc((size_t)(G * d) * sizeof(float));
-    float *gu = (float *)malloc((size_t)(G * 2 * F) * sizeof(float));
-    const int64_t widest = R * d > G * nq ? (R * d > G * F ? R * d : G * F) : (G * nq > G * F ? G * nq : G * F);
+    float *q = (float *)malloc((size_t)(B * nq) * sizeof(float));
+    float *att = (float *)malloc((size_t)(B * nq) * sizeof(float));
+    float *h = (float *)malloc((size_t)(B * d) * sizeof(float));
+    float *gu = (float *)malloc((size_t)(B * 2 * F) * sizeof(float));
+    const int64_t widest = R * d > B * nq ? (R * d > B * F ? R * d : B * F) : (B * nq > B * F ? B * nq : B * F);
     uint16_t *bits = mm_bf16 ? (uint16_t *)malloc((size_t)widest * sizeof(uint16_t)) : NULL;
     if (!in || !qkv || !q || !att || !h || !gu || (mm_bf16 && !bits)) {
         rc = -1;
         goto done;
     }
-    if (n) memcpy(in, ctx, (size_t)(n * d) * sizeof(float));
-    for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln1, d, eps, in + (n + g) * d);
-    if ((rc = mm(in, R, d, &w[0], qlin, nqkv, qkv, mm_bf16, bits, threads))) goto done;
-    for (int64_t r = 0; r < R; r++) {
-        const float *row = qkv + r * nqkv, *c = cos + r * D, *s = sin + r * D;
-        if (r >= n)
-            for (int64_t hh = 0; hh < H; hh++) norm_rope(row + hh * D, qn, D, eps, c, s, q + (r - n) * nq + hh * D);
-        for (int64_t hh = 0; hh < Hkv; hh++) {
-            norm_rope(row + nq + hh * D, kn, D, eps, c, s, kc + hh * ksh + (S0 + r) * kss);
-            memcpy(vc + hh * ksh + (S0 + r) * kss, row + nq + nkv + hh * D, (size_t)D * sizeof(float));
-        }
+    for (int64_t b = 0, r = 0, c = 0; b < nseq; b++) { /* in: each sequence's context rows, then its normed block */
+        if (ns[b]) memcpy(in + r * d, ctx + c * d, (size_t)(ns[b] * d) * sizeof(float));
+        r += ns[b];
+        c += ns[b];
+        for (int64_t g = 0; g < G; g++, r++) rmsnorm(x + (b * G + g) * d, ln1, d, eps, in + r * d);
     }
-    if ((rc = vs_attention(q, 1, G, H, D, G * nq, nq, D, kc, vc, Hkv, S0 + R, 0, ksh, kss, att, -1,
-                           1.0f / sqrtf((float)D), threads)))
-        goto done;
-    if ((rc = mm(att, G, nq, &w[1], qlin, d, h, mm_bf16, bits, threads))) goto done;
-    for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
-    for (int64_t g = 0; g < G; g++) rmsnorm(x + g * d, ln2, d, eps, h + g * d);
-    if ((rc = mm(h, G, d, &w[2], qlin, 2 * F, gu, mm_bf16, bits, threads))) goto done;
-    for (int64_t g = 0; g < G; g++) { /* silu(gate) * up, into the gate half, then rows packed to [G, F] */
+    if ((rc = mm(in, R, d, &w[0], qlin, nqkv, qkv, mm_bf16, bits, threads))) goto done;
+    for (int64_t b = 0, r0 = 0; b < nseq; r0 += ns[b] + G, b++) {
+        const int64_t n = ns[b], ksh = kshs[b], kss = ksss[b], S0 = S0s[b];
+        float *kc = kcs[b], *vc = vcs[b];
+        for (int64_t r = 0; r < n + G; r++) {
+            const float *row = qkv + (r0 + r) * nqkv, *c = cos + (r0 + r) * D, *s = sin + (r0 + r) * D;
+            if (r >= n)
+                for (int64_t hh = 0; hh < H; hh++)
+                    norm_rope(row + hh * D, qn, D, eps, c, s, q + (b * G + r - n) * nq + hh * D);
+            for (int64_t hh = 0; hh < Hkv; hh++) {
+                norm_rope(row + nq + hh * D, kn, D, eps, c, s, kc + hh * ksh + (S0 + r) * kss);
+                memcpy(vc + hh * ksh + (S0 + r) * kss, row + nq + nkv + hh * D, (size_t)D * sizeof(float));
+            }
+        }
+        if ((rc = vs_attention(q + b * G * nq, 1, G, H, D, G * nq, nq, D, kc, vc, Hkv, S0 + n + G, 0, ksh, kss,
+                               att + b * G * nq, -1, 1.0f / sqrtf((float)D), threads)))
+            goto done;
+    }
+    if ((rc = mm(att, B, nq, &w[1], qlin, d, h, mm_bf16, bits, threads))) goto done;
+    for (int64_t i = 0; i < B * d; i++) x[i] += h[i];
+    for (int64_t g = 0; g < B; g++) rmsnorm(x + g * d, ln2, d, eps, h + g * d);
+    if ((rc = mm(h, B, d, &w[2], qlin, 2 * F, gu, mm_bf16, bits, threads))) goto done;
+    for (int64_t g = 0; g < B; g++) { /* silu(gate) * up, into the gate half, then rows packed to [B, F] */
         float *a = gu + g * 2 * F;
         for (int64_t i = 0; i < F; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * a[F + i];
         memmove(gu + g * F, a, (size_t)F * sizeof(float));
     }
-    if ((rc = mm(gu, G, F, &w[3], qlin, d, h, mm_bf16, bits, threads))) goto done;
-    for (int64_t i = 0; i < G * d; i++) x[i] += h[i];
+    if ((rc = mm(gu, B, F, &w[3], qlin, d, h, mm_bf16, bits, threads))) goto done;
+    for (int64_t i = 0; i < B * d; i++) x[i] += h[i];
 done:
     free(in);
     free(qkv);
@@ -112,4 +132,13 @@ done:
     free(gu);
     free(bits);
     return rc;
+}
+
+/* One sequence: vs_block_layer_batch with nseq = 1 (ctx: its n context rows, cos/sin its n + G rows). */
+int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, const float *ln1, const float *ln2,
+                   const float *qn, const float *kn, float eps, const vs_weight *w, vs_qlinear_fn qlin, int64_t F,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, float *kc, float *vc,
+                   int64_t ksh, int64_t kss, int64_t S0, int mm_bf16, int threads) {
+    return vs_block_layer_batch(x, 1, G, d, ctx, &n, ln1, ln2, qn, kn, eps, w, qlin, F, H, Hkv, D, cos, sin, &kc,
+                                &vc, &ksh, &kss, &S0, mm_bf16, threads);
 }

@@ -124,6 +124,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
         "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, ptr, i64, i64, i64, i64,
                                   ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
+        "vs_block_layer_batch": (cint, [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, flt, ptr, ptr, i64, i64,
+                                        i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, cint, cint]),
         "vs_decoder_forward": (cint, [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint, ptr]),
         "vs_isa": (cint, []),
     }
@@ -590,6 +592,65 @@ def block_layer(
     )
     if rc != 0:
         raise ValueError(f"native block layer failed ({rc})")
+
+
+def block_layers(
+    x: torch.Tensor,  # [B * G, d] fp32 contiguous: B sequences' block rows back to back, updated in place
+    ctx: torch.Tensor | None,  # [sum(ns), d] fp32 contiguous: each sequence's new context features in turn, or None
+    ns: list[int],  # per sequence: its new context rows (written to its cache before its block's)
+    norms: tuple[torch.Tensor, ...],  # as block_layer
+    eps: float,
+    weights: tuple[Packed | QPacked, ...],  # as block_layer
+    dims: tuple[int, int, int, int],  # H, Hkv, D, F
+    rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [sum(ns) + B * G, D]: per sequence its n + G rows
+    kvs: list[tuple[torch.Tensor, torch.Tensor]],  # per sequence this layer's cache k, v [Hkv, S_max, D] fp32
+    starts: list[int],  # per sequence: cached positions (its rows go to start .. start + n + G - 1)
+    mm_bf16: bool = False,
+) -> None:
+    """block_layer for B sequences in one native call: the matmuls over every sequence's rows at once, attention
+    per sequence over its own cache (blocklayer.c's vs_block_layer_batch)."""
+    lib = _required()
+    b = len(ns)
+    d = x.shape[1]
+    h, hkv, hd, ffn = dims
+    cos, sin = rope
+    if not b or len(kvs) != b or len(starts) != b or x.shape[0] % b or any(n < 0 for n in ns):
+        raise ValueError("native block layers: one cache, start and context count per sequence, B * G block rows")
+    g = x.shape[0] // b
+    ntot = sum(ns)
+    dense = [x, *norms, cos, sin] + ([] if ctx is None else [ctx])
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in dense) \
+            or cos.shape != (ntot + b * g, hd) or sin.shape != cos.shape \
+            or (ctx is None) != (ntot == 0) or (ctx is not None and ctx.shape != (ntot, d)):
+        raise ValueError("native block layers: x, ctx, norms and rope tables must be contiguous fp32, ctx "
+                         "[sum(ns), d], rope [sum(ns) + B * G, D]")
+    if tuple(t.shape for t in norms) != ((d,), (d,), (hd,), (hd,)):
+        raise ValueError("native block layers: norms must be [d], [d], [D], [D]")
+    for (k, v), n, start in zip(kvs, ns, starts):
+        for t in (k, v):
+            _cpu(t, "block layer cache")
+        if (k.stride() != v.stride() or k.shape != v.shape or k.dim() != 3 or k.shape[0] != hkv or k.shape[2] != hd
+                or k.stride(-1) != 1 or k.stride(1) < hd or start < 0 or start + n + g > k.shape[1]):
+            raise ValueError("native block layers: a cache's rows do not fit or its k and v differ in layout")
+    want = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * ffn), (ffn, d))
+    if tuple((p.k, p.n) for p in weights) != want:
+        raise ValueError(f"native block layers: packed weights (in, out) {[(p.k, p.n) for p in weights]}, "
+                         f"expected {list(want)}")
+    for p in weights:
+        if isinstance(p, QPacked):
+            _check_qpacked(p, "block layer")
+    descs = (WeightDesc * 4)(*(WeightDesc.of(p) for p in weights))
+    qlin = _qlinear_address() if any(isinstance(p, QPacked) for p in weights) else None
+    i64s = ctypes.c_int64 * b
+    ptrs = ctypes.c_void_p * b
+    rc = lib.vs_block_layer_batch(
+        x.data_ptr(), b, g, d, None if ctx is None else ctx.data_ptr(), i64s(*ns), *(t.data_ptr() for t in norms),
+        eps, descs, qlin, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), ptrs(*(k.data_ptr() for k, _ in kvs)),
+        ptrs(*(v.data_ptr() for _, v in kvs)), i64s(*(k.stride(0) for k, _ in kvs)),
+        i64s(*(k.stride(1) for k, _ in kvs)), i64s(*starts), mm_bf16, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"native block layers failed ({rc})")
 
 
 # ---- the target's forward in one call (decoder.c) -----------------------------------------------------------------

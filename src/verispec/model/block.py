@@ -163,6 +163,24 @@ class _BlockLayer(nn.Module):
         native.block_layer(x, new_ctx, norms, self.input_layernorm.eps, packs, dims, (cos, sin),
                            (cache.k[index, 0], cache.v[index, 0]), cache.length, bf16_matmuls)
 
+    def native_forward_batch(
+        self,
+        x: torch.Tensor,  # [B * G, d] fp32: B sequences' blocks back to back, updated in place
+        packs: tuple[native.Packed | native.QPacked, ...],  # native_packs(x)
+        cos: torch.Tensor, sin: torch.Tensor,  # [sum(ns) + B * G, D] fp32: per sequence its new context rows and block
+        caches: list[KVCache], index: int,  # the sequences' context caches and this layer's index in them
+        new_ctx: torch.Tensor | None,  # [sum(ns), d] fp32 context features, each sequence's ns[b] rows in turn
+        ns: list[int],
+        bf16_matmuls: bool = False,
+    ) -> None:
+        """native_forward for several sequences in one call: the matmuls over all their rows at once."""
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.q_norm.weight,
+                 self.k_norm.weight)
+        dims = (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features)
+        native.block_layers(x, new_ctx, ns, norms, self.input_layernorm.eps, packs, dims, (cos, sin),
+                            [(c.k[index, 0], c.v[index, 0]) for c in caches], [c.length for c in caches],
+                            bf16_matmuls)
+
     def forward(
         self,
         x: torch.Tensor,  # [B, G, d] block
@@ -317,9 +335,51 @@ class BlockDraftModel(nn.Module):
             ctx.advance(n)
         return self._norm(self.norm, x)
 
-    # Where a proposal takes kernels/blocklayer.c: one sequence over its context cache (no mask), fp32 activations
-    # and cache, no gradient, every layer fused and natively packed at load. Elsewhere (training, batched
-    # proposals, other devices) the torch layers; the two agree to rounding (tests/test_block_drafter.py).
+    def block_hidden_batch(
+        self,
+        embed: nn.Embedding,
+        anchors: torch.Tensor,  # [B] anchor token ids
+        anchor_pos: torch.Tensor,  # [B] anchor positions
+        caches: list[KVCache],  # each sequence's context cache: the block's keys/values go after its entries
+        new_ctx: torch.Tensor | None,  # [sum(ns), d] context features each sequence's cache lacks before its anchor
+        ns: list[int],  # ... how many rows of them are each sequence's (written and committed in this forward)
+        ctx_starts: list[int],  # the position of each cache's first entry (a sliding window's start)
+    ) -> torch.Tensor:  # [B, G, d] final-normed block states
+        """block_hidden for several sequences over their own caches, one native call per layer (no padding, no
+        mask); the caller checks native_batch() first."""
+        g, b = self.config.block_size, len(caches)
+        positions = anchor_pos.tolist()
+        for cache, start, n, p in zip(caches, ctx_starts, ns, positions):
+            if start + cache.length + n != p:
+                raise ValueError("new context rows must end at each sequence's anchor")
+            cache.reserve(cache.length + n + g)
+        tokens = torch.full((b, g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        tokens[:, 0] = anchors
+        x = embed(tokens).to(self.dtype).reshape(b * g, -1).contiguous()
+        packs = [layer.native_packs(x) for layer in self.layers]
+        rows = torch.cat([torch.arange(p - n, p + g) for p, n in zip(positions, ns)])  # every row's position
+        cos, sin = self.rotary_emb.cos[rows].contiguous(), self.rotary_emb.sin[rows].contiguous()
+        feats = None if new_ctx is None else new_ctx.to(torch.float32).contiguous()
+        for i, layer in enumerate(self.layers):
+            layer.native_forward_batch(x, packs[i], cos, sin, caches, i, feats, ns, self.bf16_matmuls)
+        for cache, n in zip(caches, ns):
+            cache.advance(n)
+        return self._norm(self.norm, x.view(b, g, -1))
+
+    def native_batch(self, caches: list[KVCache]) -> bool:
+        """Whether block_hidden_batch takes these sequences: fp32 CPU caches, no gradient, every layer natively
+        packed for fp32 activations."""
+        if not self.use_native or torch.is_grad_enabled() or self.dtype != torch.float32:
+            return False
+        if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" for c in caches):
+            return False
+        probe = torch.empty(1, self.norm.weight.shape[0])  # the packs' checks read an input's dtype and device
+        return all(layer.native_packs(probe) is not None for layer in self.layers)
+
+    # Where a proposal takes kernels/blocklayer.c: sequences over their own context caches (one alone, or a batch
+    # through block_hidden_batch), fp32 activations and cache, no gradient, every layer fused and natively packed
+    # at load. Elsewhere (training, other devices) the torch layers, a batch's contexts padded and masked; the two
+    # agree to rounding (tests/test_block_drafter.py).
     use_native = True
     # A bf16 drafter computing in fp32 on CPU (drafters.block.load_block_drafter) rounds its native layers' matmul
     # inputs to bf16, as the bf16 drafter would: its bf16 weights then take the vdpbf16ps path, twice the FMA rate.
