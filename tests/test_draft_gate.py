@@ -136,6 +136,23 @@ def test_a_heavier_load_never_drafts_while_a_lighter_one_finds_drafting_slower()
     assert g.draft(20) is True  # the heavier load measures drafting again (nearest load: it pays)
 
 
+
+def test_a_lighter_load_where_drafting_ties_plain_bounds_no_heavier_one():
+    """Only a lighter load where drafting measured slower keeps heavier ones plain: one where it is merely short of
+    the margin (a tie) leaves a heavier load to its own averages."""
+    g = warmed(1, probe_every=4, probe_cost=0.05, trust=1)
+    g.record(1, True, tokens=3, seconds=0.0048)  # drafting at one request: 625 tokens/s
+    g.record(1, False, tokens=1, seconds=0.00163)  # plain: 613 tokens/s (drafting 1.02x: plain is chosen there)
+    assert g.draft(1) is False
+    for drafted in (True, False):  # 2-3 requests: drafting 1,480 tokens/s against plain's 1,080
+        g.record(2, drafted, 1, 1.0)  # the warm-up steps
+        g.record(2, drafted, 9 if drafted else 2, 0.0061 if drafted else 0.00185)
+    assert g.draft(2) is True
+    for _ in range(60):  # one request turns slower drafting than plain: heavier loads stay plain
+        g.record(1, True, tokens=2, seconds=0.0048)
+    assert g.rates[(1, True)] < g.rates[(1, False)]
+    assert not any(g.draft(2) for _ in range(40))
+
 def test_an_average_of_few_samples_is_probed_often_and_bounds_no_heavier_load():
     """One slow early drafted step (a drafter's first shapes) must not decide a load: until each choice has `trust`
     samples the other is retried every probe_every steps, and the load does not keep heavier ones plain."""
