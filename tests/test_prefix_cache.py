@@ -25,6 +25,14 @@ SHARED = torch.randint(3, 97, (80,), generator=_g).tolist()  # 2 full blocks of 
 PROMPTS = [SHARED + torch.randint(3, 97, (n,), generator=_g).tolist() for n in (7, 20, 1)] + [SHARED[:40]]
 
 
+def target_in(dtype: str, seed: int):
+    """The tiny target in fp32, or packed bf16 on the native kernels (skipped where they are missing)."""
+    if dtype == "bf16" and not native.available():
+        pytest.skip(no_native_reason())
+    target = tiny_model(seed)
+    return target.to(torch.bfloat16).pack_weights() if dtype == "bf16" else target
+
+
 def one_at_a_time(engine: Engine, prompts, params=GREEDY, spec=RequestSpec()) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompts):
@@ -44,11 +52,7 @@ def test_keys_name_the_whole_prefix():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_greedy_outputs_equal_plain_and_shared_blocks_are_reused(dtype):
-    if dtype == "bf16" and not native.available():
-        pytest.skip(no_native_reason())
-    target = tiny_model(6)
-    if dtype == "bf16":
-        target = target.to(torch.bfloat16).pack_weights()
+    target = target_in(dtype, 6)
     plain = [decode(target, p, GREEDY).token_ids for p in PROMPTS]
     for drafter in (None, "ngram"):
         engine = Engine(target, None, EngineConfig(drafter=drafter, prefix_block=32))
@@ -108,11 +112,7 @@ def test_hidden_state_drafters_take_hits_with_the_context_a_prefill_gives(dtype,
     request of the same drafter takes the hit and its drafter gets them, drafting exactly what it drafts without
     the prefix cache (the same drafts, accepted the same, in every round); blocks a plain request stored (no
     hidden states) are no hit for it until it stores them with its own."""
-    if dtype == "bf16" and not native.available():
-        pytest.skip(no_native_reason())
-    target = tiny_model(6)
-    if dtype == "bf16":
-        target = target.to(torch.bfloat16).pack_weights()
+    target = target_in(dtype, 6)
     model = make_block(target, head="markov", confidence=True)
     plain = [decode(target, p, GREEDY).token_ids for p in PROMPTS]
     runs = {}
@@ -149,11 +149,7 @@ def test_a_windowed_block_drafter_takes_the_kv_only_blocks_plain_requests_store(
     the blocks a plain request stored (KV only), its context restarts at the first row the prefill computes, and it
     drafts from there; outputs equal plain decoding. A prompt whose blocks cover all but its last token still leaves
     a row before the anchor to restart at (one block less is copied)."""
-    if dtype == "bf16" and not native.available():
-        pytest.skip(no_native_reason())
-    target = tiny_model(6)
-    if dtype == "bf16":
-        target = target.to(torch.bfloat16).pack_weights()
+    target = target_in(dtype, 6)
     model = make_block(target, head="markov", confidence=True)
     whole = SHARED[:64] + [5]  # 65 tokens: its two full blocks are all but the anchor
     prompts = [*PROMPTS, whole]
@@ -205,11 +201,7 @@ def test_store_adds_hidden_states_to_blocks_stored_without_them():
 def test_copied_rows_equal_the_rows_a_prefill_writes(dtype):
     """After a hit, the request's cache holds, for its whole prompt, what one prefill of that prompt writes
     (bit for bit on the native kernels): the copied blocks and the rows computed after them."""
-    if dtype == "bf16" and not native.available():
-        pytest.skip(no_native_reason())
-    target = tiny_model(8)
-    if dtype == "bf16":
-        target = target.to(torch.bfloat16).pack_weights()
+    target = target_in(dtype, 8)
     engine = Engine(target, None, EngineConfig(drafter=None))
     one_at_a_time(engine, PROMPTS[:1])
     prompt = PROMPTS[1]

@@ -133,12 +133,3 @@ done:
     free(bits);
     return rc;
 }
-
-/* One sequence: vs_block_layer_batch with nseq = 1 (ctx: its n context rows, cos/sin its n + G rows). */
-int vs_block_layer(float *x, int64_t G, int64_t d, const float *ctx, int64_t n, const float *ln1, const float *ln2,
-                   const float *qn, const float *kn, float eps, const vs_weight *w, vs_qlinear_fn qlin, int64_t F,
-                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, float *kc, float *vc,
-                   int64_t ksh, int64_t kss, int64_t S0, int mm_bf16, int threads) {
-    return vs_block_layer_batch(x, 1, G, d, ctx, &n, ln1, ln2, qn, kn, eps, w, qlin, F, H, Hkv, D, cos, sin, &kc,
-                                &vc, &ksh, &kss, &S0, mm_bf16, threads);
-}

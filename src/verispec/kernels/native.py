@@ -122,8 +122,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "vs_markov_greedy": (cint, [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, cint]),
         "vs_argmax": (cint, [ptr, cint, i64, i64, i64, ptr]),
         "vs_rmsnorm": (None, [ptr, i64, i64, ptr, flt, ptr]),
-        "vs_block_layer": (cint, [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, flt, ptr, ptr, i64, i64, i64, i64,
-                                  ptr, ptr, ptr, ptr, i64, i64, i64, cint, cint]),
         "vs_block_layer_batch": (cint, [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, flt, ptr, ptr, i64, i64,
                                         i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, cint, cint]),
         "vs_decoder_forward": (cint, [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, cint, ptr]),
@@ -558,40 +556,9 @@ def block_layer(
     start: int,  # cached positions: the rows go to start .. start + n + G - 1
     mm_bf16: bool = False,  # round matmul inputs to bf16 (bf16 weights then take the vdpbf16ps path)
 ) -> None:
-    """A block drafter layer (model/block.py) in one native call: see blocklayer.c."""
-    lib = _required()
-    g, d = x.shape
-    n = 0 if ctx is None else ctx.shape[0]
-    h, hkv, hd, ffn = dims
-    k, v = kv
-    cos, sin = rope
-    dense = [x, *norms, cos, sin] + ([] if ctx is None else [ctx])
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in dense) \
-            or cos.shape != (n + g, hd) or sin.shape != cos.shape or (ctx is not None and ctx.shape[1] != d):
-        raise ValueError("native block layer: x, ctx, norms and rope tables must be contiguous fp32, rope [n + G, D]")
-    if tuple(t.shape for t in norms) != ((d,), (d,), (hd,), (hd,)):
-        raise ValueError("native block layer: norms must be [d], [d], [D], [D]")
-    for t in (k, v):
-        _cpu(t, "block layer cache")
-    if (k.stride() != v.stride() or k.shape != v.shape or k.dim() != 3 or k.shape[0] != hkv or k.shape[2] != hd
-            or k.stride(-1) != 1 or k.stride(1) < hd or start < 0 or start + n + g > k.shape[1]):
-        raise ValueError("native block layer: the cache rows do not fit or k and v differ in layout")
-    want = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * ffn), (ffn, d))
-    if tuple((p.k, p.n) for p in weights) != want:
-        raise ValueError(f"native block layer: packed weights (in, out) {[(p.k, p.n) for p in weights]}, "
-                         f"expected {list(want)}")
-    for p in weights:
-        if isinstance(p, QPacked):
-            _check_qpacked(p, "block layer")
-    descs = (WeightDesc * 4)(*(WeightDesc.of(p) for p in weights))
-    qlin = _qlinear_address() if any(isinstance(p, QPacked) for p in weights) else None
-    rc = lib.vs_block_layer(
-        x.data_ptr(), g, d, None if ctx is None else ctx.data_ptr(), n, *(t.data_ptr() for t in norms), eps,
-        descs, qlin, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
-        k.stride(1), start, mm_bf16, torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise ValueError(f"native block layer failed ({rc})")
+    """A block drafter layer (model/block.py) for one sequence in one native call: block_layers with one."""
+    block_layers(x, ctx, [0 if ctx is None else ctx.shape[0]], norms, eps, weights, dims, rope, [kv], [start],
+                 mm_bf16)
 
 
 def block_layers(
