@@ -155,6 +155,30 @@ def test_packed_batch_rows_equal_each_sequence_alone(isa):
     assert torch.equal(hidden, alone_hidden)
 
 
+def test_batched_block_drafter_layers_equal_each_sequence_alone(isa):
+    """kernels/blocklayer.c over several sequences' own caches: every draft, confidence and context cache is the
+    one each sequence gets alone, bit for bit (its matmuls compute every row alone, attention is per sequence)."""
+    from test_block_drafter import PROMPTS, _observed, make_block
+
+    from verispec.drafters import BlockDrafter, DraftRequest
+
+    target = tiny_model(0, 0.2)
+    model = make_block(target, head="markov", confidence=True, seed=3).prepare_inference()
+    out = {}
+    for batched in (True, False):
+        drafter = BlockDrafter(model, target)
+        reqs = []
+        for i, p in enumerate(PROMPTS[:2]):
+            _observed(drafter, i, p, target)
+            reqs.append(DraftRequest(i, p, 4, SamplingParams(), None))
+        drafts = drafter.propose(reqs) if batched else [drafter.propose([r])[0] for r in reqs]
+        out[batched] = drafts, [drafter._context(i) for i in range(2)]
+    for a, b in zip(out[True][0], out[False][0]):
+        assert a.tokens == b.tokens and torch.equal(a.confidence, b.confidence)
+    for a, b in zip(out[True][1], out[False][1]):
+        assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 @needs_native
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_bf16_greedy_speculation_equals_plain_on_every_path(isa, k):
