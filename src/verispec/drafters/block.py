@@ -165,23 +165,16 @@ class BlockDrafter(Drafter):
         held = self._ctx[seq_id].length if seq_id in self._ctx else 0
         return self._ctx_start[seq_id] + held + rows
 
-    def _take_pending(self, seq_id: int) -> torch.Tensor | None:  # [1, n, d] context features, or None
-        chunks = self._pending.pop(seq_id, None)
-        if not chunks:
-            return None
-        layers = self.model.config.target_layers
-        hidden = {k: chunks[0][k] if len(chunks) == 1 else torch.cat([c[k] for c in chunks]) for k in layers}
-        return self.model.context_features(hidden)[None]
-
-    def _take_pending_batch(self, seq_ids: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    def _take_pending(self, seq_ids: list[int]) -> tuple[torch.Tensor | None, list[int]]:
         """Every sequence's pending rows as context features, projected in one pass: [sum(ns), d] (None when
         there are none) and each sequence's count, in the order of seq_ids."""
-        chunks = [self._pending.pop(sid, None) or [] for sid in seq_ids]
         layers = self.model.config.target_layers
-        ns = [sum(c[layers[0]].shape[0] for c in cs) for cs in chunks]
-        if not sum(ns):
+        per_seq = [self._pending.pop(sid, None) or [] for sid in seq_ids]
+        ns = [sum(c[layers[0]].shape[0] for c in cs) for cs in per_seq]
+        chunks = [c for cs in per_seq for c in cs]
+        if not chunks:
             return None, ns
-        hidden = {k: torch.cat([c[k] for cs in chunks for c in cs]) for k in layers}  # [sum(ns), d]
+        hidden = {k: chunks[0][k] if len(chunks) == 1 else torch.cat([c[k] for c in chunks]) for k in layers}
         return self.model.context_features(hidden), ns
 
     @torch.inference_mode()
@@ -231,12 +224,15 @@ class BlockDrafter(Drafter):
         anchors = torch.tensor([requests[i].tokens[-1] for i in live], device=device)
         embed = self.target.model.embed_tokens
         if len(live) == 1:  # its cache as is (pending rows, then the block's keys/values after its entries), no mask
-            h = self.model.block_hidden(embed, anchors, anchor_pos, caches[0], None, self._take_pending(seq_ids[0]),
+            feats, _ = self._take_pending(seq_ids)
+            new_ctx = None if feats is None else feats[None]
+            h = self.model.block_hidden(embed, anchors, anchor_pos, caches[0], None, new_ctx,
                                         self._ctx_start[seq_ids[0]])  # [1, G, d]
-        elif self.model.native_batch(caches):  # each over its own cache, pending rows riding along: one call a layer
-            feats, ns = self._take_pending_batch(seq_ids)
+        elif (packs := self.model.native_batch(caches)) is not None:
+            # each over its own cache, pending rows riding along: one native call a layer
+            feats, ns = self._take_pending(seq_ids)
             h = self.model.block_hidden_batch(embed, anchors, anchor_pos, caches, feats, ns,
-                                              [self._ctx_start[sid] for sid in seq_ids])  # [R, G, d]
+                                              [self._ctx_start[sid] for sid in seq_ids], packs)  # [R, G, d]
         else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
             self._flush(*seq_ids)
             lengths = torch.tensor([c.length for c in caches], device=device)

@@ -344,9 +344,10 @@ class BlockDraftModel(nn.Module):
         new_ctx: torch.Tensor | None,  # [sum(ns), d] context features each sequence's cache lacks before its anchor
         ns: list[int],  # ... how many rows of them are each sequence's (written and committed in this forward)
         ctx_starts: list[int],  # the position of each cache's first entry (a sliding window's start)
+        packs: list[tuple[native.Packed | native.QPacked, ...]],  # per layer, from native_batch(caches)
     ) -> torch.Tensor:  # [B, G, d] final-normed block states
         """block_hidden for several sequences over their own caches, one native call per layer (no padding, no
-        mask); the caller checks native_batch() first."""
+        mask)."""
         g, b = self.config.block_size, len(caches)
         positions = anchor_pos.tolist()
         for cache, start, n, p in zip(caches, ctx_starts, ns, positions):
@@ -356,7 +357,6 @@ class BlockDraftModel(nn.Module):
         tokens = torch.full((b, g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
         x = embed(tokens).to(self.dtype).reshape(b * g, -1).contiguous()
-        packs = [layer.native_packs(x) for layer in self.layers]
         rows = torch.cat([torch.arange(p - n, p + g) for p, n in zip(positions, ns)])  # every row's position
         cos, sin = self.rotary_emb.cos[rows].contiguous(), self.rotary_emb.sin[rows].contiguous()
         feats = None if new_ctx is None else new_ctx.to(torch.float32).contiguous()
@@ -366,15 +366,16 @@ class BlockDraftModel(nn.Module):
             cache.advance(n)
         return self._norm(self.norm, x.view(b, g, -1))
 
-    def native_batch(self, caches: list[KVCache]) -> bool:
-        """Whether block_hidden_batch takes these sequences: fp32 CPU caches, no gradient, every layer natively
-        packed for fp32 activations."""
+    def native_batch(self, caches: list[KVCache]) -> list[tuple[native.Packed | native.QPacked, ...]] | None:
+        """Each layer's native packs where block_hidden_batch takes these sequences (fp32 CPU caches, no gradient,
+        every layer natively packed for fp32 activations), else None."""
         if not self.use_native or torch.is_grad_enabled() or self.dtype != torch.float32:
-            return False
+            return None
         if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" for c in caches):
-            return False
+            return None
         probe = torch.empty(1, self.norm.weight.shape[0])  # the packs' checks read an input's dtype and device
-        return all(layer.native_packs(probe) is not None for layer in self.layers)
+        packs = [layer.native_packs(probe) for layer in self.layers]
+        return None if any(p is None for p in packs) else packs  # type: ignore[return-value]
 
     # Where a proposal takes kernels/blocklayer.c: sequences over their own context caches (one alone, or a batch
     # through block_hidden_batch), fp32 activations and cache, no gradient, every layer fused and natively packed
