@@ -81,7 +81,7 @@ def profile_key(target: Transformer) -> dict:
     cfg = json.dumps(target.config.to_hf_dict(), sort_keys=True)
     weights = hashlib.sha256()
     for p in list(target.parameters())[:4]:  # cheap fingerprint: config + a few weight tensors
-        weights.update(p.detach().float().flatten()[:256].numpy().tobytes())
+        weights.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
     return {
         "model": hashlib.sha256(cfg.encode()).hexdigest()[:16] + "-" + weights.hexdigest()[:16],
         "dtype": str(target.dtype).removeprefix("torch."),
@@ -113,6 +113,8 @@ def _time_step(target: Transformer, caches: list[KVCache], lengths: list[int], c
     for c in caches:
         c.truncate(context)
     batch = PackedBatch.build(caches, lengths, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # time this step only, not the copies queued before it
     t0 = time.perf_counter()
     target.forward_packed(tokens, batch, logit_rows)
     if device.type == "cuda":

@@ -137,7 +137,7 @@ class SnapKV(Compressor):
         n = view.length
         idx = [top_positions(queries(layer), view.k[layer, :, :, :n], n - self.recent, self.keep, self.pool)
                for layer in range(view.k.shape[0])]
-        recent = torch.arange(n - self.recent, n).expand(*idx[0].shape[:2], self.recent)
+        recent = torch.arange(n - self.recent, n, device=view.k.device).expand(*idx[0].shape[:2], self.recent)
         view.select(0, torch.stack([torch.cat([top, recent], dim=-1) for top in idx]))
 
 
@@ -204,15 +204,15 @@ class Retrieval(Compressor):
             view.position_offset = 0
             view.append(full.k[:, :1, :, :n], full.v[:, :1, :, :n])
             return
-        layers = full.k.shape[0]
-        keys = full.k[:, :1, :, :n]
+        layers, dev = full.k.shape[0], view.k.device
+        keys = full.k[:, :1, :, :n].to(dev)  # a tiered full cache's rows live in host memory
         idx = torch.stack([top_positions(queries(layer), keys[layer], n - self.recent, self.keep, self.pool)
                            for layer in range(layers)])  # [L, 1, Hkv, keep]
         recent = torch.arange(n - self.recent, n, device=idx.device).expand(*idx.shape[:3], self.recent)
         at = torch.cat([idx, recent], dim=-1)[..., None].expand(-1, -1, -1, -1, full.k.shape[-1])
         m = at.shape[3]
         view.k[:, :, :, :m] = torch.gather(keys, 3, at)
-        view.v[:, :, :, :m] = torch.gather(full.v[:, :1, :, :n], 3, at)
+        view.v[:, :, :, :m] = torch.gather(full.v[:, :1, :, :n].to(dev), 3, at)
         view.length, view.round_start, view.position_offset = m, 0, n - m
 
 
@@ -308,8 +308,9 @@ class CompressedView:
         # Room for the budget, the rows one sync may bring before compressing, and a round's drafted rows.
         layers, _, heads, _, dim = full.k.shape
         self.full, self.compressor = full, compressor
+        # on the device the forwards run on: a tiered full cache keeps its rows in host memory (its compute_device)
         self.cache = KVCache(layers, heads, dim, compressor.budget + headroom, dtype=full.k.dtype,
-                             device=full.k.device)
+                             device=getattr(full, "compute_device", full.k.device))
         self.synced = 0  # positions of the full cache copied so far
         self.headroom = headroom
 
