@@ -33,6 +33,7 @@ from verispec.quant.scheme import QuantScheme
 
 W4 = QuantizeConfig(scheme="w4a16", group_size=32)
 W8 = QuantizeConfig(scheme="w8a16")
+W4H = QuantizeConfig(scheme="w4a16", group_size=32, lm_head=True)  # the LM head quantized too, untied
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28], [1, 2, 3] * 6]
 
@@ -106,7 +107,7 @@ def dense_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module", params=[W4, W8], ids=["w4a16-g32", "w8a16"])
+@pytest.fixture(scope="module", params=[W4, W8, W4H], ids=["w4a16-g32", "w8a16", "w4a16-g32-head"])
 def quant_dir(request, dense_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("quant")
     quantize_checkpoint(dense_dir, d, request.param, progress=False)
@@ -124,11 +125,12 @@ def test_loaded_model_equals_dense_dequantized(quant_dir, qmodel, tmp_path):
         assert qmodel.quantized and qmodel.forward_path == ("native" if native.qavailable() else "torch")
     state = load_state_dict(quant_dir)
     dense = {k: v for k, v in state.items() if not k.endswith(("weight_packed", "weight_scale", "weight_shape"))}
-    for layer in qmodel.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            name = next(n for n, m in qmodel.named_modules() if m is lin)
-            dense[f"{name}.weight"] = lin.dequantize()
+    stored = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")  # not fused
+    quantized = {name: m for name, m in qmodel.named_modules()
+                 if isinstance(m, QuantLinear) and name.endswith(stored)}
+    assert len(quantized) == 7 * qmodel.config.num_hidden_layers + ("lm_head.weight_packed" in state)
+    for name, lin in quantized.items():
+        dense[f"{name}.weight"] = lin.dequantize()
     (tmp_path / "d").mkdir()
     save_file(dense, str(tmp_path / "d" / "model.safetensors"))
     cfg = json.loads((quant_dir / "config.json").read_text())
@@ -231,11 +233,17 @@ CASES = {
     "activations": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"].update(
         input_activations={"num_bits": 8}), "weight-only"),
 }
+HEAD_CASES = {  # a quantized LM head is checked like any Linear
+    "head_scale": (lambda c, s: s.pop("lm_head.weight_scale"), "missing tensor lm_head.weight_scale"),
+    "head_shape": (lambda c, s: s.update({"lm_head.weight_shape": torch.tensor([96, 64])}), "lm_head.weight_shape"),
+}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(HEAD_CASES))
 def test_bad_quantized_checkpoint_fails_with_one_error(quant_dir, tmp_path, case, capsys):
-    edit, words = CASES[case]
+    if case in HEAD_CASES and "lm_head.weight_packed" not in load_state_dict(quant_dir):
+        return  # a dense head: nothing of it to break here (the -head copy runs the case)
+    edit, words = {**CASES, **HEAD_CASES}[case]
     d = edited_copy(quant_dir, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
         load_model(d)
@@ -259,3 +267,34 @@ def test_cli_quantize_rtn_and_gptq(checkpoint_dir, tmp_path, capsys):
     assert "calibration" in capsys.readouterr().out
     assert main(["quantize", str(checkpoint_dir), "--out", str(tmp_path / "x"), "--scheme", "w4a16",
                  "--group-size", "48"]) == 2
+    out = tmp_path / "head"
+    assert main(["quantize", str(checkpoint_dir), "--out", str(out), "--scheme", "w8a16", "--lm-head"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["quantization_config"]["ignore"] == [] and raw["tie_word_embeddings"] is False
+    model = load_model(out)
+    assert isinstance(model.lm_head, QuantLinear) and not isinstance(model.model.embed_tokens, QuantLinear)
+    dense = load_model(checkpoint_dir)
+    with torch.inference_mode():  # the head's weight rounded to the int8 grid, the embedding untouched
+        torch.testing.assert_close(model.head_weight(), dense.lm_head.weight, rtol=0, atol=0.01)
+        assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight)
+
+
+def test_a_tied_head_is_untied_and_quantized(tmp_path):
+    """--lm-head on a tied checkpoint (the zoo target is one): the embedding stays dense and exact, the head becomes
+    a quantized Linear of the same weights; the native forward takes it (decoder.c's LM head through qgemm.c) and
+    speculation stays exact with respect to that model."""
+    save_model(tiny_model(0, 0.2, tie_word_embeddings=True), tmp_path / "tied")
+    quantize_checkpoint(tmp_path / "tied", tmp_path / "q", W4H, progress=False)
+    dense, q = load_model(tmp_path / "tied"), load_model(tmp_path / "q")
+    assert not q.config.tie_word_embeddings and isinstance(q.lm_head, QuantLinear)
+    assert torch.equal(q.model.embed_tokens.weight, dense.model.embed_tokens.weight)
+    with torch.inference_mode():
+        assert q.forward_path == ("native" if native.qavailable() else "torch")
+        torch.testing.assert_close(q.head_weight(), dense.model.embed_tokens.weight, rtol=0, atol=0.1)
+        native_logits = q(torch.tensor([PROMPTS[0]]))[0]
+        q.fused = None  # the per-layer torch path over the same QuantLinears
+        torch.testing.assert_close(q(torch.tensor([PROMPTS[0]]))[0], native_logits, rtol=1e-5, atol=1e-5)
+    q = load_model(tmp_path / "q")
+    plain = [decode(q, p, GREEDY).token_ids for p in PROMPTS]
+    for p, ref in zip(PROMPTS, plain):
+        assert decode(q, p, GREEDY, drafter=ModelDrafter(q), spec=SpecConfig(k=4)).token_ids == ref

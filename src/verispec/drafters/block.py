@@ -357,11 +357,13 @@ class BlockDrafter(Drafter):
             return head(h).float()
         ids = self.draft_vocab
 
+        weight = self.target.head_weight()
+
         def rows():
-            w = head.weight.detach()[ids].contiguous()
+            w = weight.detach()[ids].contiguous()
             return w, pack(w)
 
-        w, packed = self._derived("head_vocab", (head.weight,), rows)
+        w, packed = self._derived("head_vocab", (weight,), rows)
         return linear(h, w, None, packed).float()
 
     def _native_markov(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -259,7 +259,7 @@ class FeatureDrafter(Drafter):
     def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor, PackedWeight | None]:
         """(the target's lm_head weight, its draft-vocabulary rows in the drafter's dtype, their pack), remade when
         the target's head is another tensor."""
-        weight = self.target.lm_head.weight
+        weight = self.target.head_weight()
         if self._head is None or self._head[0] is not weight:
             rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
             rows = rows.to(self.model.dtype).contiguous()

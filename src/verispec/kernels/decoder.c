@@ -52,8 +52,7 @@ typedef struct {
     const void *embed;               /* [vocab, d], bf16 bits (embed_bf16) or fp32 */
     int32_t embed_bf16;
     const float *final_norm;         /* [d] */
-    const void *lm_head;             /* packed [head_rows, d] */
-    int32_t lm_head_bf16;
+    vs_weight lm_head;               /* [head_rows, d]: dense, or int8/int4 (a quantized target's head) */
     int64_t head_rows;               /* logits per row: vocab for a target, a draft vocabulary's size for a drafter */
     const float *cos, *sin;          /* [max_pos, head_dim] fp32, sin signed as in layers.RotaryEmbedding */
     const vs_layer *layer;           /* [layers] */
@@ -282,8 +281,8 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
     if (n_logits > 0) {
         for (int64_t i = 0; i < n_logits; i++)
             rmsnorm(x + logit_rows[i] * d, m->final_norm, d, m->eps, bf16, h + i * d);
-        rc = vs_linear(mm_input(h, n_logits * d, bf16, bits), bf16, n_logits, d, d, m->lm_head, m->lm_head_bf16, NULL,
-                       m->head_rows, logits, bf16, threads);
+        rc = weight_matmul_to(&m->lm_head, qlin, mm_input(h, n_logits * d, bf16, bits), bf16, n_logits, d, NULL,
+                              m->head_rows, logits, bf16, threads);
     }
 done:
     free(x);

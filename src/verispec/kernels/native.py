@@ -643,8 +643,8 @@ class ModelDesc(ctypes.Structure):  # decoder.c's vs_model
     _fields_ = [(name, ctypes.c_int64) for name in ("layers", "d", "heads", "kv_heads", "head_dim", "ffn", "vocab",
                                                      "max_pos")] + [
         ("eps", ctypes.c_float), ("act_bf16", ctypes.c_int32), ("embed", ctypes.c_void_p),
-        ("embed_bf16", ctypes.c_int32), ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
-        ("lm_head_bf16", ctypes.c_int32), ("head_rows", ctypes.c_int64), ("cos", ctypes.c_void_p),
+        ("embed_bf16", ctypes.c_int32), ("final_norm", ctypes.c_void_p), ("lm_head", WeightDesc),
+        ("head_rows", ctypes.c_int64), ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p), ("layer", ctypes.POINTER(LayerDesc)), ("enorm", ctypes.c_void_p),
         ("fnorm", ctypes.c_void_p), ("w_in", WeightDesc)]
 
@@ -703,7 +703,7 @@ class Decoder:
     (default: the embedding's); the LM head may have fewer rows than the vocabulary (a draft vocabulary)."""
 
     def __init__(self, dims: tuple[int, int, int, int, int, int], eps: float, embed: torch.Tensor,
-                 layers: list[DecoderLayerWeights], final_norm: torch.Tensor, lm_head: Packed,
+                 layers: list[DecoderLayerWeights], final_norm: torch.Tensor, lm_head: Packed | QPacked,
                  rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype | None = None,
                  input_stage: InputStage | None = None) -> None:
         d, h, hkv, hd, ffn, vocab = dims
@@ -741,6 +741,8 @@ class Decoder:
                                    _ptr(lw.o_bias), _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.q_norm), _ptr(lw.k_norm)))
         if final_norm.shape != (d,) or lm_head.k != d or not 0 < lm_head.n <= vocab:
             raise ValueError("native decoder: final norm [d] and LM head [rows <= vocab, d] expected")
+        if isinstance(lm_head, QPacked):
+            _check_qpacked(lm_head, "decoder LM head")
         stage = (None, None, WeightDesc())
         if input_stage is not None:
             w_in = input_stage.w_in
@@ -755,12 +757,12 @@ class Decoder:
         self._layers = (LayerDesc * len(descs))(*descs)
         self.desc = ModelDesc(len(layers), d, h, hkv, hd, ffn, vocab, cos.shape[0], eps,
                               dtype == torch.bfloat16, embed.data_ptr(), embed.dtype == torch.bfloat16,
-                              final_norm.data_ptr(), lm_head.data.data_ptr(), lm_head.bf16, lm_head.n, cos.data_ptr(),
+                              final_norm.data_ptr(), WeightDesc.of(lm_head), lm_head.n, cos.data_ptr(),
                               sin.data_ptr(), self._layers, *stage)
         self.dtype, self.staged = dtype, input_stage is not None
         # int weights: qgemm.c's library, built now (a failure raises here, not in a forward)
         self.quantized = any(isinstance(getattr(lw, name), QPacked) for lw in layers for name in shapes) or (
-            input_stage is not None and isinstance(input_stage.w_in, QPacked))
+            input_stage is not None and isinstance(input_stage.w_in, QPacked)) or isinstance(lm_head, QPacked)
         if self.quantized:
             _qlinear_address()
         self.num_layers, self.kv_heads, self.head_dim, self.vocab, self.d = len(layers), hkv, hd, vocab, d

@@ -20,12 +20,18 @@ typedef struct {
     int64_t group;
 } vs_weight;
 
-/* y [M, N] fp32 = x [M, K] (contiguous rows) @ w^T (+ bias), by gemm.c or (w->bits) qgemm.c; -2 for a quantized
- * weight without qlin. */
+/* y [M, N] = x [M, K] (contiguous rows) @ w^T (+ bias), bf16 (out_bf16) or fp32, by gemm.c or (w->bits)
+ * qgemm.c; -2 for a quantized weight without qlin. */
+static inline int weight_matmul_to(const vs_weight *w, vs_qlinear_fn qlin, const void *x, int in_bf16, int64_t M,
+                                   int64_t K, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+    if (!w->bits) return vs_linear(x, in_bf16, M, K, K, w->data, w->bf16, bias, N, y, out_bf16, threads);
+    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, bias, N, y, out_bf16, threads) : -2;
+}
+
+/* weight_matmul_to with fp32 y */
 static inline int weight_matmul(const vs_weight *w, vs_qlinear_fn qlin, const void *x, int in_bf16, int64_t M,
                                 int64_t K, const float *bias, int64_t N, float *y, int threads) {
-    if (!w->bits) return vs_linear(x, in_bf16, M, K, K, w->data, w->bf16, bias, N, y, 0, threads);
-    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, bias, N, y, 0, threads) : -2;
+    return weight_matmul_to(w, qlin, x, in_bf16, M, K, bias, N, y, 0, threads);
 }
 
 #endif

@@ -95,11 +95,10 @@ def _take_quantized(
     if "quantization_config" not in raw:
         return {}
     qcfg = parse_quant_config(raw["quantization_config"], path)
+    # A tied head is the embedding, which stays dense; an untied one may be quantized (`verispec quantize --lm-head`)
     tied = model.config.tie_word_embeddings
-    if not tied and qcfg.scheme_for("lm_head") is not None:
-        raise CheckpointError(f"{path}: a quantized lm_head is unsupported (add it to quantization_config.ignore)")
     linears = {name: (m.out_features, m.in_features, m.bias is not None)
-               for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+               for name, m in model.named_modules() if isinstance(m, nn.Linear) and (name != "lm_head" or not tied)}
     quantized = take_quantized(state, linears, qcfg, path)
     for name in quantized:
         expected.pop(f"{name}.weight")

@@ -90,18 +90,19 @@ class FusedForward(_Watched):
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
-        layers, sources = [], [model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight]
+        if not isinstance(model.lm_head, (PackedLinear, QuantLinear)):
+            raise ValueError("the native forward needs a packed (or quantized) LM head")
+        head, _, head_from = _linear(model.lm_head)
+        layers, sources = [], [model.model.embed_tokens.weight, model.model.norm.weight, *head_from]
         for layer in model.model.layers:
             weights, made_from = layer_weights(layer)
             layers.append(weights)
             sources += made_from
-        if not isinstance(model.lm_head, PackedLinear) or model.lm_head.packed is None:
-            raise ValueError("the native forward needs a packed LM head")
         dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 cfg.intermediate_size, cfg.vocab_size)
         rope = model.model.rotary_emb
         self.decoder = native.Decoder(dims, cfg.rms_norm_eps, model.model.embed_tokens.weight.detach().contiguous(),
-                                      layers, _fp32(model.model.norm.weight), model.lm_head.packed.packed,
+                                      layers, _fp32(model.model.norm.weight), head,
                                       (_fp32(rope.cos), _fp32(rope.sin)))
         self._watch(sources)
 

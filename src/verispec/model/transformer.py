@@ -52,6 +52,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused: FusedForward | None = None  # set by pack_weights where the native forward applies
+        self._packed = False  # pack_weights packed the matmuls
 
     def fuse_projections(self) -> Transformer:
         """Inference only: q/k/v and gate/up projections become one matmul each (weights shared, not copied)."""
@@ -65,15 +66,19 @@ class Transformer(nn.Module):
         a forward over 2-16 rows cost little more than one over a single row. The packs are copies of the matmul
         weights on top of the model (pack_nbytes): a model whose packs would take over a quarter of this machine's
         memory is left unpacked, as is one where packing is unsupported."""
-        weights = [p for name, p in self.named_parameters() if name.endswith("proj.weight")] + [self.lm_head.weight]
+        dense_head = not isinstance(self.lm_head, QuantLinear)  # a QuantLinear: qgemm.c packs it itself
+        weights = [p for name, p in self.named_parameters() if name.endswith("proj.weight")]
+        weights += [self.lm_head.weight] if dense_head else []
         extra = sum(pack_nbytes(w) for w in weights)
         memory = physical_memory()
-        if not packing_supported(self.lm_head.weight) or (memory is not None and extra > memory // 4):
+        if not packing_supported(self.model.embed_tokens.weight) or (memory is not None and extra > memory // 4):
             return self
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
-        self.lm_head = PackedLinear(self.lm_head)
+        if dense_head:
+            self.lm_head = PackedLinear(self.lm_head)
+        self._packed = True
         cfg = self.config
         # decoder.c runs QuantLinears through qgemm.c: where that kernel is not built, they keep the per-layer path.
         if cfg.head_dim % 8 == 0 and cfg.head_dim <= 256 and (not self.quantized or native.qavailable()):
@@ -82,7 +87,13 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab, d] in the model's dtype: the tensor itself, or a quantized head dequantized
+        (once; the drafters that score a draft vocabulary's rows read it)."""
+        head = self.lm_head
+        return head.dense(self.dtype) if isinstance(head, QuantLinear) else head.weight
 
     @property
     def quantized(self) -> bool:
@@ -92,7 +103,7 @@ class Transformer(nn.Module):
     @property
     def packed(self) -> bool:
         """Whether pack_weights packed this model's matmuls (false where packing is unsupported)."""
-        return isinstance(self.lm_head, PackedLinear) and self.lm_head.packed is not None
+        return self._packed
 
     @property
     def matmuls(self) -> str:
@@ -106,7 +117,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def forward(
         self,

@@ -69,6 +69,14 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
         return dequantize(self.qweight, self.scales, dtype)
 
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:  # [out, in] on the buffers' device
+        """The dequantized weight in `dtype`, made once (the torch path's matmul weight)."""
+        key = (dtype, self.qweight.device)
+        if key not in self._dense:
+            w = self.dequantize(dtype).to(self.qweight.device)
+            self._dense[key] = (w, pack(w) if w.device.type == "cpu" else None)
+        return self._dense[key][0]
+
     def _apply(self, fn, recurse=True):  # .to()/.cuda() move the buffers: caches made from the old ones go
         self._dense, self._qpacked = {}, None
         return super()._apply(fn, recurse)
@@ -86,11 +94,8 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.float().contiguous()
             y = native.qlinear(x.reshape(-1, self.in_features).contiguous(), self.qpacked(), bias, x.dtype)
             return y.view(*x.shape[:-1], self.out_features)
-        key = (x.dtype, x.device)
-        if key not in self._dense:
-            w = self.dequantize(x.dtype).to(x.device)
-            self._dense[key] = (w, pack(w) if x.device.type == "cpu" else None)
-        w, packed = self._dense[key]
+        self.dense(x.dtype)
+        w, packed = self._dense[(x.dtype, self.qweight.device)]
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if packed is None:
             return F.linear(x, w, bias)
