@@ -59,8 +59,8 @@ COPIES = {
     "w4a16-gptq": QuantizeConfig(scheme="w4a16", group_size=32, method="gptq", calib_samples=32, calib_len=512),
     "w4a16-head": QuantizeConfig(scheme="w4a16", group_size=32, lm_head=True),
 }
-SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")
-INT4_TARGETS = ("w4a16", "w4a16-head")  # the int4 configurations of goals (2) and (3)
+SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")  # the default speed targets; --targets takes any copy
+INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head")  # the int4 configurations of goals (2) and (3)
 DRAFT_SOURCES = {"model": ROOT / "zoo/drafter", "dspark": ROOT / "zoo/dspark"}
 INT4 = "-int4"  # a drafter arm on the int4 copy of its checkpoint
 # arm -> drafter spec; {model} and {dspark}: DRAFT_SOURCES, or their int4 copies for the -int4 arms
@@ -576,8 +576,8 @@ def write_report(out: Path, args: argparse.Namespace, res: dict) -> None:
           "- The stage-2 drafter (DSpark fine-tuned on the quantized target's continuations) in these speed tables.",
           "- QAD (quantization-aware distillation, `verispec train qad`) in these tables: its first, short run's "
           "quality is in qad.md.",
-          "- Speed of the GPTQ copy (same kernel and grid as RTN w4a16, so the same cost per step; only its "
-          "τ could differ)."]
+          "- Speed of a QAD copy (the same kernel and grid as GPTQ's, so the same cost per step; only its τ could "
+          "differ)."]
     if args.llamacpp_note:
         L += ["", "## llama.cpp side by side (a separate run)", "", Path(args.llamacpp_note).read_text().strip()]
     (out / "README.md").write_text("\n".join(L) + "\n")
@@ -667,7 +667,7 @@ def parse_args() -> argparse.Namespace:
                     help="new tokens per generation in every bucket (default: each bucket's own, "
                          + ", ".join(f"{b} {n}" for b, n in BUCKETS.items()) + ")")
     ap.add_argument("--targets", default=",".join(SPEED_TARGETS), help="speed-run targets, comma-separated, of "
-                    f"{', '.join(SPEED_TARGETS)} (bf16 plain always runs: it is the reference)")
+                    f"{', '.join(COPIES)} (bf16 plain always runs: it is the reference)")
     ap.add_argument("--drafters", default=",".join(DRAFTERS), help="drafter arms, comma-separated, of "
                     f"{', '.join(DRAFTERS)} (plain always runs)")
     ap.add_argument("--llamacpp", default=LLAMACPP_ARMS,
@@ -697,7 +697,7 @@ def parse_args() -> argparse.Namespace:
                     help="rewrite README.md and the plots from OUT/results.json (e.g. to add a note) without measuring")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/quant")
     args = ap.parse_args()
-    for opt, allowed in (("buckets", BUCKETS), ("targets", SPEED_TARGETS), ("drafters", DRAFTERS)):
+    for opt, allowed in (("buckets", BUCKETS), ("targets", COPIES), ("drafters", DRAFTERS)):
         names = [x.strip() for x in getattr(args, opt).split(",") if x.strip()]
         if bad := [x for x in names if x not in allowed]:
             ap.error(f"--{opt}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
