@@ -57,10 +57,11 @@ COPIES = {
     "w8a16": QuantizeConfig(scheme="w8a16"),
     "w4a16": QuantizeConfig(scheme="w4a16", group_size=32),
     "w4a16-gptq": QuantizeConfig(scheme="w4a16", group_size=32, method="gptq", calib_samples=32, calib_len=512),
-    "w4a16-head": QuantizeConfig(scheme="w4a16", group_size=32, lm_head=True),
+    "w4a16-head": QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w4a16"),
+    "w4a16-head8": QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w8a16"),
 }
 SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")  # the default speed targets; --targets takes any copy
-INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head")  # the int4 configurations of goals (2) and (3)
+INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8")  # the int4 configurations of goals (2) and (3)
 DRAFT_SOURCES = {"model": ROOT / "zoo/drafter", "dspark": ROOT / "zoo/dspark"}
 INT4 = "-int4"  # a drafter arm on the int4 copy of its checkpoint
 # arm -> drafter spec; {model} and {dspark}: DRAFT_SOURCES, or their int4 copies for the -int4 arms

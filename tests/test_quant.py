@@ -22,7 +22,7 @@ from verispec.drafters import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import Engine
 from verispec.kernels import native
-from verispec.errors import CheckpointError
+from verispec.errors import CheckpointError, ConfigError
 from verispec.model.checkpoint import load_model, load_state_dict, save_model
 from verispec.quant.bits import pack_int32, unpack_int32
 from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
@@ -33,7 +33,8 @@ from verispec.quant.scheme import QuantScheme
 
 W4 = QuantizeConfig(scheme="w4a16", group_size=32)
 W8 = QuantizeConfig(scheme="w8a16")
-W4H = QuantizeConfig(scheme="w4a16", group_size=32, lm_head=True)  # the LM head quantized too, untied
+W4H = QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w4a16")  # the LM head quantized too, untied
+W4H8 = QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w8a16")  # an int8 head beside int4 layers
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [3, 44, 17, 90, 2, 61, 28], [1, 2, 3] * 6]
 
@@ -107,7 +108,8 @@ def dense_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module", params=[W4, W8, W4H], ids=["w4a16-g32", "w8a16", "w4a16-g32-head"])
+@pytest.fixture(scope="module", params=[W4, W8, W4H, W4H8], ids=["w4a16-g32", "w8a16", "w4a16-g32-head",
+                                                                  "w4a16-g32-head8"])
 def quant_dir(request, dense_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("quant")
     quantize_checkpoint(dense_dir, d, request.param, progress=False)
@@ -268,11 +270,12 @@ def test_cli_quantize_rtn_and_gptq(checkpoint_dir, tmp_path, capsys):
     assert main(["quantize", str(checkpoint_dir), "--out", str(tmp_path / "x"), "--scheme", "w4a16",
                  "--group-size", "48"]) == 2
     out = tmp_path / "head"
-    assert main(["quantize", str(checkpoint_dir), "--out", str(out), "--scheme", "w8a16", "--lm-head"]) == 0
+    assert main(["quantize", str(checkpoint_dir), "--out", str(out), "--scheme", "w8a16", "--lm-head"]) == 0  # same
     raw = json.loads((out / "config.json").read_text())
     assert raw["quantization_config"]["ignore"] == [] and raw["tie_word_embeddings"] is False
     model = load_model(out)
     assert isinstance(model.lm_head, QuantLinear) and not isinstance(model.model.embed_tokens, QuantLinear)
+    assert model.lm_head.bits == 8 and model.lm_head.group_size == model.lm_head.in_features  # per channel
     dense = load_model(checkpoint_dir)
     with torch.inference_mode():  # the head's weight rounded to the int8 grid, the embedding untouched
         torch.testing.assert_close(model.head_weight(), dense.lm_head.weight, rtol=0, atol=0.01)
@@ -298,3 +301,24 @@ def test_a_tied_head_is_untied_and_quantized(tmp_path):
     plain = [decode(q, p, GREEDY).token_ids for p in PROMPTS]
     for p, ref in zip(PROMPTS, plain):
         assert decode(q, p, GREEDY, drafter=ModelDrafter(q), spec=SpecConfig(k=4)).token_ids == ref
+
+
+def test_an_int8_head_beside_int4_layers(tmp_path):
+    """--lm-head w8a16 on a w4a16 copy: a second config group targets lm_head by name, which wins over the class
+    target "Linear" as compressed-tensors matches (exact name, then regex, then class), in either group order."""
+    from verispec.quant.format import parse_quant_config
+
+    save_model(tiny_model(0, 0.2), tmp_path / "dense")
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "q", W4H8, progress=False)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_1"]["targets"] == ["lm_head"] and qc["ignore"] == []
+    for groups in (qc["config_groups"], dict(reversed(list(qc["config_groups"].items())))):
+        parsed = parse_quant_config({**qc, "config_groups": groups}, "x")
+        assert parsed.scheme_for("lm_head").bits == 8 and parsed.scheme_for("model.layers.0.mlp.down_proj").bits == 4
+    q = load_model(tmp_path / "q")
+    assert (q.lm_head.bits, q.model.layers[0].mlp.down_proj.bits) == (8, 4)
+    plain = [decode(q, p, GREEDY).token_ids for p in PROMPTS]
+    for p, ref in zip(PROMPTS, plain):
+        assert decode(q, p, GREEDY, drafter=NgramDrafter(), spec=SpecConfig(k=4)).token_ids == ref
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        QuantizeConfig(scheme="w4a16", lm_head="w2a16")

@@ -133,3 +133,20 @@ def test_compressed_tensors_decompresses_what_verispec_wrote(tmp_path, name):
         assert state[f"{n}.weight_scale"].dtype == torch.bfloat16  # the model's dtype
         ref = _ct_decompress(state, n, scheme)
         assert torch.equal(lin.dequantize(torch.bfloat16), ref), n
+
+
+def test_compressed_tensors_reads_a_quantized_head_in_its_own_group(tmp_path):
+    """`verispec quantize --lm-head w8a16` on an int4 copy: compressed-tensors validates the two-group config, and
+    its decompression of lm_head under the head's group (int8 per channel) equals verispec's."""
+    save_model(tiny_model(0, 0.2), tmp_path / "dense", dtype="bf16")
+    cfg = QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w8a16")
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "q", cfg, progress=False)
+    qc = QuantizationConfig.model_validate(
+        json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"])
+    head_group = qc.config_groups["group_1"]
+    assert head_group.targets == ["lm_head"] and head_group.weights.num_bits == 8 and not qc.ignore
+    state = load_file(str(tmp_path / "q" / "model.safetensors"))
+    linears = _quant_linears(load_model(tmp_path / "q", "fp32"))
+    assert len(linears) == 15 and linears["lm_head"].bits == 8
+    ref = _ct_decompress(state, "lm_head", SCHEMES["w8a16"])
+    assert torch.equal(linears["lm_head"].dequantize(torch.bfloat16), ref)

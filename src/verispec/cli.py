@@ -760,8 +760,9 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-len", type=int, default=QuantizeConfig.calib_len, help="gptq: tokens per sequence")
     p.add_argument("--corpus", type=Path, default=None,
                    help="gptq: built corpus directory (its train.jsonl); default: the standard library's train split")
-    p.add_argument("--lm-head", action="store_true",
-                   help="quantize the LM head too (round to nearest; a tied embedding is untied and stays dense)")
+    p.add_argument("--lm-head", nargs="?", const="same", default=None, choices=(*SCHEMES, "same"), metavar="SCHEME",
+                   help="quantize the LM head too, in --scheme's grid or the one named (w8a16: int8 per channel), by "
+                        "round to nearest; a tied embedding is untied and stays dense")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_quantize)
 
@@ -772,7 +773,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     cfg = QuantizeConfig(scheme=args.scheme, group_size=args.group_size, method=args.method,
-                         calib_samples=args.calib_samples, calib_len=args.calib_len, lm_head=args.lm_head)
+                         calib_samples=args.calib_samples, calib_len=args.calib_len,
+                         lm_head=args.scheme if args.lm_head == "same" else args.lm_head)
     summary = quantize_checkpoint(args.src, args.out, cfg, corpus=args.corpus)
     print(f"wrote {args.out}: {summary['scheme']} by {cfg.method}"
           + (f" (calibration: {summary['calibration']})" if "calibration" in summary else ""))

@@ -40,16 +40,25 @@ class QuantizeConfig:
     """GPTQ: Hessian damping, a fraction of its mean diagonal."""
     seed: int = 0
     """GPTQ: which corpus documents make the calibration set."""
-    lm_head: bool = False
-    """Quantize the LM head too, in the same grid by round to nearest (also under gptq). A tied embedding is
-    untied: the embedding stays dense (a row gather needs no matmul), the head becomes a quantized Linear. On a
-    small-vocabulary model the bf16 head is a large share of an int4 model's bytes (zoo/target: 8 of 20.6 MB)."""
+    lm_head: str | None = None
+    """Quantize the LM head too, in this scheme (w8a16: int8 per channel; w4a16: int4 in groups of group_size), by
+    round to nearest (also under gptq). A tied embedding is untied: the embedding stays dense (a row gather needs no
+    matmul), the head becomes a quantized Linear. On a small-vocabulary model the bf16 head is a large share of an
+    int4 model's bytes (zoo/target: 8 of 20.6 MB). None: the head stays dense."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; use rtn or gptq")
         if self.calib_samples < 1 or self.calib_len < 2:
             raise ConfigError("--calib-samples must be >= 1 and --calib-len >= 2")
+        if self.lm_head is not None:
+            self.head_scheme  # an unknown scheme or group size fails here, before anything is read
+
+    @property
+    def head_scheme(self) -> QuantScheme | None:
+        if self.lm_head is None:
+            return None
+        return QuantScheme.named(self.lm_head, self.group_size if self.lm_head == self.scheme else None)
 
     @property
     def quant_scheme(self) -> QuantScheme:
@@ -132,28 +141,29 @@ def quantize_checkpoint(
     tied = model_cfg.tie_word_embeddings
     head = state.pop("lm_head.weight", None)
     ignore: tuple[str, ...] = ("lm_head",)
-    if cfg.lm_head:
+    hs = cfg.head_scheme
+    if hs is not None:
         head = state["model.embed_tokens.weight"] if tied else head
         if head is None:
             raise CheckpointError(f"{src}: missing tensor lm_head.weight")
-        if head.shape[1] % scheme.group(head.shape[1]):
-            raise ConfigError(f"group size {scheme.group_size} does not divide lm_head's {head.shape[1]} input "
-                              "features" + scheme.hint(head.shape[1]))
-        quantized["lm_head"] = quantize_rtn(head, scheme, scale_dtype)
-        raw, ignore, summary["lm_head"] = {**raw, "tie_word_embeddings": False}, (), "rtn"
+        if head.shape[1] % hs.group(head.shape[1]):
+            raise ConfigError(f"group size {hs.group_size} does not divide lm_head's {head.shape[1]} input "
+                              "features" + hs.hint(head.shape[1]))
+        quantized["lm_head"] = quantize_rtn(head, hs, scale_dtype)
+        raw, ignore, summary["lm_head"] = {**raw, "tie_word_embeddings": False}, (), f"{hs.name} by rtn"
     elif not tied and head is not None:
         state["lm_head.weight"] = head
-    save_quantized(out, raw, state, quantized, scheme, src, summary, ignore)
+    save_quantized(out, raw, state, quantized, scheme, src, summary, ignore, hs)
     return summary
 
 
 def save_quantized(
     out: Path, raw_config: dict, dense: dict[str, torch.Tensor], quantized: dict, scheme: QuantScheme, src: Path,
-    summary: dict, ignore: tuple[str, ...] = ("lm_head",),
+    summary: dict, ignore: tuple[str, ...] = ("lm_head",), head: QuantScheme | None = None,
 ) -> None:
     """A quantized target directory: the weights (quant.format), the tokenizer files of `src` and the summary of how
     it was made (quantization.json)."""
-    write_quantized(out, raw_config, dense, quantized, scheme, ignore)
+    write_quantized(out, raw_config, dense, quantized, scheme, ignore, head)
     for pattern in COPIED:
         for f in src.glob(pattern):
             if f.is_file():

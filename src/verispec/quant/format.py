@@ -44,9 +44,11 @@ class QuantConfig:
         """The scheme of the nn.Linear named `name`, or None where it stays dense."""
         if any(_matches(t, name) for t in self.ignore):
             return None
-        for targets, scheme in self.groups:
-            if any(t == "Linear" or _matches(t, name) for t in targets):
-                return scheme
+        # compressed-tensors' precedence (utils.match.match_targets): an exact name, then a regex, then the class
+        for hit in (lambda t: t == name, lambda t: t.startswith("re:") and _matches(t, name), lambda t: t == "Linear"):
+            for targets, scheme in self.groups:
+                if any(hit(t) for t in targets):
+                    return scheme
         return None
 
 
@@ -157,19 +159,25 @@ def take_quantized(
     return out
 
 
-def quant_config_dict(scheme: QuantScheme, ignore: tuple[str, ...] = ("lm_head",)) -> dict:
-    """config.json's quantization_config for one scheme over every Linear but `ignore`, as compressed-tensors
-    writes it (ModelCompressor.update_config)."""
-    weights = {
-        "num_bits": scheme.bits, "type": "int", "symmetric": True,
-        "strategy": "channel" if scheme.group_size is None else "group", "group_size": scheme.group_size,
-        "dynamic": False, "actorder": None, "observer": "minmax",
-    }
+def quant_config_dict(scheme: QuantScheme, ignore: tuple[str, ...] = ("lm_head",),
+                      head: QuantScheme | None = None) -> dict:
+    """config.json's quantization_config for one scheme over every Linear but `ignore` (and, with `head`, another
+    for the LM head, a group targeting it by name), as compressed-tensors writes it (ModelCompressor.update_config)."""
+    def group(s: QuantScheme, targets: list[str]) -> dict:
+        weights = {
+            "num_bits": s.bits, "type": "int", "symmetric": True,
+            "strategy": "channel" if s.group_size is None else "group", "group_size": s.group_size,
+            "dynamic": False, "actorder": None, "observer": "minmax",
+        }
+        return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
+                "format": FORMAT}
+
+    groups = {"group_0": group(scheme, ["Linear"])}
+    if head is not None:
+        groups["group_1"] = group(head, ["lm_head"])
     return {
         "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": FORMAT}},
-        "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {},
+        "config_groups": groups, "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {},
     }
 
 
@@ -186,14 +194,16 @@ def write_quantized(
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],  # name -> (q int8 [out, in], scales)
     scheme: QuantScheme,
     ignore: tuple[str, ...] = ("lm_head",),
+    head: QuantScheme | None = None,  # the LM head's own scheme, where it has one (quantized["lm_head"])
 ) -> None:
     """Write model.safetensors and config.json of a pack-quantized checkpoint."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in dense.items()}
     for name, (q, scales) in quantized.items():
-        state.update(quantized_tensors(name, q, scales, scheme.bits))
+        bits = head.bits if name == "lm_head" and head is not None else scheme.bits
+        state.update(quantized_tensors(name, q, scales, bits))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(hf_config)
-    cfg["quantization_config"] = quant_config_dict(scheme, ignore)
+    cfg["quantization_config"] = quant_config_dict(scheme, ignore, head)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
