@@ -236,6 +236,11 @@ class Arm:
         }
 
 
+def _rel(path: Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def drafter_specs(names: list[str], int4: dict[str, dict]) -> dict[str, str | None]:
     """Each drafter arm's spec, the -int4 arms on the int4 copies."""
     dense = {k: str(v) for k, v in DRAFT_SOURCES.items()}
@@ -515,7 +520,7 @@ def quality_section(res: dict) -> list[str]:
     copies = res.get("drafter_copies") or {}
     if copies:
         L.append("int4 drafters (the `-int4` arms below): " + "; ".join(
-            f"zoo/{Path(DRAFT_SOURCES[n]).name} -> {Path(c['dir']).name}, w4a16 RTN in groups of "
+            f"{_rel(DRAFT_SOURCES[n])} -> {Path(c['dir']).name}, w4a16 RTN in groups of "
             f"{c['group_size']}" + (f", quantized in {c['seconds']:.0f} s" if c.get("seconds") else "")
             for n, c in copies.items())
                  + ". `verispec quantize` defaults to groups of 128 for w4a16; where 128 does not divide a layer's "
@@ -687,6 +692,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
                     help="another quantized copy for the quality table (e.g. w4a16-qad=data/quant/qad-w4a16-g128, "
                          "from `verispec train qad`), repeatable")
+    ap.add_argument("--dspark", type=Path, default=DRAFT_SOURCES["dspark"],
+                    help="the DSpark drafter of the dspark arms (e.g. a stage-2 drafter trained for a quantized target)")
     ap.add_argument("--quality-only", action="store_true",
                     help="measure quality only: print its table and write OUT/quality.json (no speed, no README)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache/quant")
@@ -754,6 +761,7 @@ def main() -> None:
                    args.ppl_texts)
     if args.quality_only:
         return write_quality(args, extra, qual)
+    DRAFT_SOURCES["dspark"] = args.dspark.resolve()
     int4 = {n: int4_copy(src, args.cache) for n, src in DRAFT_SOURCES.items()
             if any(d.endswith(INT4) and f"{{{n}}}" in DRAFTERS[d] for d in args.drafters)}
     lcpp, skipped = llamacpp_arms(args.llamacpp, args.threads)
