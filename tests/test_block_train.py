@@ -120,6 +120,16 @@ def test_warm_start_begins_from_the_shipped_weights(setup, tmp_path):
     other = cfg(markov_rank=4, init_from=str(tmp_path / "shipped"))
     with pytest.raises(CheckpointError, match="block config"):
         train_block_drafter(path / "target", seqs, tmp_path / "c", other, 3, progress=False)
+    # the warm-started drafter ships its source's draft vocabulary (stage 2 drafts as the shipped drafter does)
+    from verispec.train.block_recipe import carry_draft_vocab
+
+    (tmp_path / "out").mkdir()
+    assert not carry_draft_vocab(str(tmp_path / "shipped"), tmp_path / "out")  # none to carry
+    vocab = '{"token_ids": [1, 2, 3]}'
+    (tmp_path / "shipped" / "draft_vocab.json").write_text(vocab)
+    assert carry_draft_vocab(str(tmp_path / "shipped"), tmp_path / "out")
+    assert (tmp_path / "out" / "draft_vocab.json").read_text() == vocab
+    assert not carry_draft_vocab(None, tmp_path / "out")
 
 
 def test_ablation_claims_are_computed_from_the_numbers():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from verispec.drafters.block import save_block_drafter
+from verispec.drafters.block import VOCAB_FILE, save_block_drafter
 from verispec.model import load_model
 from verispec.model.tokenizer import Tokenizer
 from verispec.train.block import BlockTrainConfig, block_forward, block_metrics, sample_blocks, train_block_drafter
@@ -73,9 +74,21 @@ def train_block_recipe(args: argparse.Namespace, target: Path, out: Path, zoo_di
                "config": json.loads(json.dumps(cfg.__dict__, default=list))}
     # `trained_for` names the target whose continuations and hidden states trained it (a quantized copy in stage 2)
     save_block_drafter(model, zoo_dir, extra={"training": summary, "trained_for": summary["target"]})
+    carry_draft_vocab(cfg.init_from, zoo_dir)
     (zoo_dir / "README.md").write_text(card(summary, target))
     print(f"saved {zoo_dir}: held-out block accuracy {held_out['accuracy']:.3f}, greedy tau {held_out['tau']:.2f}")
     return 0
+
+
+def carry_draft_vocab(init_from: str | None, zoo_dir: Path) -> bool:
+    """A warm-started drafter keeps its source's draft vocabulary (FR-Spec: the tokens of the text domain, the same
+    for a quantized copy of the target), as a stage-2 run must to draft as the shipped drafter does. Its calibration
+    is the target's and is made again (`verispec calibrate`). Returns whether a vocabulary was carried."""
+    src = Path(init_from) / VOCAB_FILE if init_from else None
+    if src is None or not src.is_file():
+        return False
+    shutil.copyfile(src, zoo_dir / VOCAB_FILE)
+    return True
 
 
 def card(summary: dict, target: Path) -> str:
