@@ -579,7 +579,8 @@ def write_report(out: Path, args: argparse.Namespace, res: dict) -> None:
     for note in args.note:
         L += [Path(note).read_text().strip(), ""]
     L += ["## Not measured yet (issue 20 still asks for them)", "",
-          "- The stage-2 drafter (DSpark fine-tuned on the quantized target's continuations) in these speed tables.",
+          "- The stage-2 drafter (DSpark fine-tuned on the quantized target's continuations) in these tables: "
+          "measured in a separate pair of runs on the short and medium buckets (notes above, stage2/), not on long.",
           "- QAD (quantization-aware distillation, `verispec train qad`) in these tables: its first, short run's "
           "quality is in qad.md.",
           "- Speed of a QAD copy (the same kernel and grid as GPTQ's, so the same cost per step; only its τ could "
