@@ -75,11 +75,25 @@ typedef struct {
 } vs_seq;
 
 static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
+static inline __m256 act8(int bf16, __m256 v) { return bf16 ? bf16_round_ps(v) : v; }
 
 /* y = act(w * act(x / sqrt(mean(x^2) + eps))), as layers.RMSNorm (fp32 normalisation, cast, then the weight). */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, int bf16, float *y) {
     const float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = act(bf16, w[i] * act(bf16, x[i] * r));
+    const __m256 rv = _mm256_set1_ps(r);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, act8(bf16, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                                         act8(bf16, _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)))));
+    for (; i < n; i++) y[i] = act(bf16, w[i] * act(bf16, x[i] * r));
+}
+
+/* x[i] = act(x[i] + act(h[i])): a residual add as the torch path rounds it. */
+static void residual(float *x, const float *h, int64_t n, int bf16) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, act8(bf16, _mm256_add_ps(_mm256_loadu_ps(x + i), act8(bf16, _mm256_loadu_ps(h + i)))));
+    for (; i < n; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
 }
 
 /* RoPE on one head in place: x * cos + [x2, x1] * sin, each product and the sum rounded as the torch path. */
@@ -95,15 +109,16 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D, int bf
 /* a[i] = act(act(silu(g)) * u) over a row [gate (n) ; up (n)], into the gate half; g, u = act(a[i]), act(a[n + i]).
  * silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) (never overflows), 8 lanes at a time. */
 static void silu_mul(float *a, int64_t n, int bf16) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        float g[8], sig[8];
-        for (int j = 0; j < 8; j++) g[j] = act(bf16, a[i + j]);
-        const __m256 gv = _mm256_loadu_ps(g), one = _mm256_set1_ps(1.0f);
-        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
-        const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e)), neg = _mm256_div_ps(e, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(sig, _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ)));
-        for (int j = 0; j < 8; j++) a[i + j] = act(bf16, act(bf16, g[j] * sig[j]) * act(bf16, a[n + i + j]));
+        const __m256 g = act8(bf16, _mm256_loadu_ps(a + i));
+        const __m256 e = exp_ps(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+        /* 1 / (1 + e) for g >= 0, e / (1 + e) below: one correctly rounded division either way */
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, _mm256_cmp_ps(g, zero, _CMP_LT_OQ)),
+                                         _mm256_add_ps(one, e));
+        const __m256 u = act8(bf16, _mm256_loadu_ps(a + n + i));
+        _mm256_storeu_ps(a + i, act8(bf16, _mm256_mul_ps(act8(bf16, _mm256_mul_ps(g, sig)), u)));
     }
     for (; i < n; i++) {
         const float g = act(bf16, a[i]), e = expf(-fabsf(g));
@@ -113,8 +128,10 @@ static void silu_mul(float *a, int64_t n, int bf16) {
 }
 
 static void round_all(float *x, int64_t n, int bf16) {
-    if (bf16)
-        for (int64_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
+    if (!bf16) return;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, bf16_round_ps(_mm256_loadu_ps(x + i)));
+    for (; i < n; i++) x[i] = bf16_round(x[i]);
 }
 
 /* x [n] (bf16 values when bf16) into out in the activation dtype: fp32, or the bf16 bits (exact). */
@@ -221,6 +238,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
         }
     if (hidden && hidden[0]) store_act(x, N * d, bf16, hidden[0]);
     const int par = N > 32 && threads > 1; /* a prefill's elementwise work is worth the second core */
+    const int par_silu = N >= 4 && threads > 1; /* SiLU's exp and division pay for a fork from a few rows */
     for (int64_t l = 0; l < m->layers; l++) {
         const vs_layer *L = m->layer + l;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
@@ -263,19 +281,19 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
         round_all(att, N * nq, bf16);
         if ((rc = weight_matmul(&L->o, qlin, mm_input(att, N * nq, bf16, bits), bf16, N, nq, L->o_bias, d, h, threads)))
             goto done;
-        for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
+        residual(x, h, N * d, bf16);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln2, d, m->eps, bf16, h + r * d);
         if ((rc = weight_matmul(&L->gate_up, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, NULL, 2 * F, big,
                                 threads)))
             goto done;
-#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+#pragma omp parallel for schedule(static) num_threads(threads) if (par_silu)
         for (int64_t r = 0; r < N; r++) silu_mul(big + r * 2 * F, F, bf16);
         float *gate = big; /* rows 2F apart: compact them for the down projection */
         for (int64_t r = 1; r < N; r++) memmove(gate + r * F, gate + r * 2 * F, (size_t)F * sizeof(float));
         if ((rc = weight_matmul(&L->down, qlin, mm_input(gate, N * F, bf16, bits), bf16, N, F, NULL, d, h, threads)))
             goto done;
-        for (int64_t i = 0; i < N * d; i++) x[i] = act(bf16, x[i] + act(bf16, h[i]));
+        residual(x, h, N * d, bf16);
         if (hidden && hidden[l + 1]) store_act(x, N * d, bf16, hidden[l + 1]);
     }
     if (n_logits > 0) {

@@ -28,6 +28,18 @@ static inline float bf16_round(float f) {
     return f;
 }
 
+/* bf16_round on 8 lanes, bit for bit (a NaN stays a quiet NaN): the elementwise passes' rounding without a
+ * scalar branch per value. */
+static inline __m256 bf16_round_ps(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i even = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), hi);
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(even, quiet, nan));
+}
+
 /* sum of x[i]^2 in one fixed order: 8 interleaved partial sums, a pairwise tree, then the tail. */
 static inline float sum_squares(const float *x, int64_t n) {
     float acc[8] = {0};
