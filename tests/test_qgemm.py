@@ -151,3 +151,37 @@ def test_qpack_and_qlinear_refuse_what_the_kernel_cannot_read():
         native.qlinear(torch.randn(3, 64), native.QPacked(packed.data, 40, 64, 8, 32))  # bits it was not packed for
     with pytest.raises(ValueError, match="group 0"):
         native.qlinear(torch.randn(3, 64), native.QPacked(packed.data, 40, 64, 4, 0))
+
+
+def _bf16_cases(k: int) -> torch.Tensor:  # [11, k] bf16 rows whose every output (unit weights) is a rounding case
+    x = torch.zeros(11, k)
+    x[:8, 0] = 1.0
+    x[:8, 1] = torch.arange(8) * 2.0**-8  # 1 + m/256: halfway between bf16 neighbours for odd m (ties to even)
+    x[8, 0] = float("inf")
+    x[9, :2] = torch.tensor([float("inf"), float("-inf")])  # NaN
+    x[10, 0] = -3.0e38  # rounds past bf16's largest finite value: -inf
+    x[10, 1] = -3.0e38
+    return x.to(BF16)
+
+
+def _same_bf16(got: torch.Tensor, want: torch.Tensor) -> bool:
+    nan = want.isnan()
+    return bool((got.isnan() == nan).all() and torch.equal(got[~nan], want[~nan]))
+
+
+def test_bf16_outputs_round_every_case_as_torch():
+    """qgemm.c's bf16 stores (full vectors in registers, the tail one by one) round as torch's fp32 -> bf16 does on
+    ties, infinities, NaN and overflow, and so do gemm.c's. Each column scales its row's sum by its own power of
+    two (a tie stays a tie), so a column out of place shows too."""
+    n, k = 40, 32  # two full 16-column vectors (five of 8) and a partial one
+    x = _bf16_cases(k)
+    col = 2.0 ** (torch.arange(n) % 11 - 5.0)  # no two of any 8 neighbours alike; column 5: scale 1
+    w = col[:, None] * torch.ones(n, k)  # powers of two: exact in bf16
+    qpacked = native.qpack(torch.ones(n, k, dtype=torch.int8), col[:, None].contiguous(), k, 8)
+    dense16, dense32 = native.pack(w.to(BF16)), native.pack(w)
+    for isa in ISAS:
+        with native.use(isa):
+            want = native.qlinear(x, qpacked, out_dtype=torch.float32).to(BF16)
+            assert want[1, 5] == 1.0 and want[3, 5] == 1.0 + 2.0**-6 and want[10, 5] == float("-inf")
+            assert _same_bf16(native.qlinear(x, qpacked), want), isa
+            assert _same_bf16(native.linear(x, dense16), native.linear(x.float(), dense32).to(BF16)), isa

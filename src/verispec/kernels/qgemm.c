@@ -72,6 +72,13 @@ static inline void store_row(void *y, int out_bf16, int64_t n0, int64_t N, const
         memcpy(b, bias + n0, (size_t)n * sizeof(float));
         v = vadd(v, vloadf(b));
     }
+    if (n == VW) {
+        if (out_bf16)
+            vstore_bf16((uint16_t *)y + n0, v);
+        else
+            vstoref((float *)y + n0, v);
+        return;
+    }
     vstoref(tmp, v);
     if (out_bf16) {
         uint16_t *o = (uint16_t *)y + n0;

@@ -3,6 +3,8 @@
 #ifndef VERISPEC_SIMD_H
 #define VERISPEC_SIMD_H
 
+#include "vecmath.h"
+
 #if defined(__AVX512F__)
 #define VW 16 /* fp32 lanes per vector */
 typedef __m512 vf;
@@ -28,6 +30,17 @@ typedef __m256i vi;
 #endif
 
 #define BLOCK 16 /* columns per packed block */
+
+/* A vector's VW values as bf16 bits at o, rounded as bf16_bits: in registers (a store through a buffer and two
+ * narrower reloads of it stalls on store forwarding). */
+static inline void vstore_bf16(uint16_t *o, vf v) {
+#if VW == 16
+    bf16_store8(o, _mm512_castps512_ps256(v));
+    bf16_store8(o + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+    bf16_store8(o, v);
+#endif
+}
 
 /* The prefill tiles of gemm.c and qgemm.c (AVX2, 6 x 16): pairs [p0, p1) of fp32 weights [K2][2][BLOCK] (pair p's
  * even input's columns, then its odd input's) into acc[R][2], input by input in the chain's order (odd, then

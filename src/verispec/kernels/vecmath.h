@@ -40,6 +40,14 @@ static inline __m256 bf16_round_ps(__m256 x) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(even, quiet, nan));
 }
 
+/* 8 values as bf16 bits, rounded as bf16_bits (to nearest even; a NaN stays a quiet NaN), stored to o[0..8). */
+static inline void bf16_store8(uint16_t *o, __m256 v) {
+    const __m256i s = _mm256_srli_epi32(_mm256_castps_si256(bf16_round_ps(v)), 16);
+    /* packus works per 128-bit lane: [s0-3 s0-3 | s4-7 s4-7]; qwords 0 and 2 hold s0-7 in order */
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(s, s), 0x08);
+    _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(p));
+}
+
 /* sum of x[i]^2 in one fixed order: 8 interleaved partial sums, a pairwise tree, then the tail. */
 static inline float sum_squares(const float *x, int64_t n) {
     float acc[8] = {0};
