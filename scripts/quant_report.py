@@ -584,8 +584,8 @@ def write_report(out: Path, args: argparse.Namespace, res: dict) -> None:
           "- QAD (quantization-aware distillation, `verispec train qad`) in these tables: its quality is in qad.md "
           "(groups of 32, 600 steps from GPTQ: greedy agreement with bf16 93.5% against GPTQ's 82.5%), measured by "
           "separate quality-only runs of this script.",
-          "- Speed and τ of a QAD copy (the same kernel and grid as GPTQ's, so the same cost per step; only its τ "
-          "could differ)."]
+          "- A QAD copy in these tables: its speed and τ beside its GPTQ start are in qad-speed/ (short and medium "
+          "buckets), not here."]
     if args.llamacpp_note:
         L += ["", "## llama.cpp side by side (a separate run)", "", Path(args.llamacpp_note).read_text().strip()]
     (out / "README.md").write_text("\n".join(L) + "\n")
@@ -693,7 +693,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--w4-group", type=int, default=32, help="group size of the w4a16 target copies")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
                     help="another quantized copy for the quality table (e.g. w4a16-qad=data/quant/qad-w4a16-g128, "
-                         "from `verispec train qad`), repeatable")
+                         "from `verispec train qad`), a speed target too where --targets names it; repeatable")
     ap.add_argument("--dspark", type=Path, default=DRAFT_SOURCES["dspark"],
                     help="the DSpark drafter of the dspark arms (e.g. a stage-2 drafter trained for a quantized target)")
     ap.add_argument("--model", type=Path, default=DRAFT_SOURCES["model"],
@@ -709,7 +709,10 @@ def parse_args() -> argparse.Namespace:
                     help="rewrite README.md and the plots from OUT/results.json (e.g. to add a note) without measuring")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/quant")
     args = ap.parse_args()
-    for opt, allowed in (("buckets", BUCKETS), ("targets", COPIES), ("drafters", DRAFTERS)):
+    if bad := [e for e in args.extra if "=" not in e or not e.split("=", 1)[0] or e.split("=", 1)[0] in COPIES]:
+        ap.error(f"--extra: {', '.join(bad)}: use NAME=DIR with a NAME that is not one of {', '.join(COPIES)}")
+    extra = [e.split("=", 1)[0] for e in args.extra]  # a copy made elsewhere (e.g. by QAD) can be a speed target
+    for opt, allowed in (("buckets", BUCKETS), ("targets", [*COPIES, *extra]), ("drafters", DRAFTERS)):
         names = [x.strip() for x in getattr(args, opt).split(",") if x.strip()]
         if bad := [x for x in names if x not in allowed]:
             ap.error(f"--{opt}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
@@ -756,13 +759,13 @@ def main() -> None:
     for b in args.buckets:
         n = args.max_tokens or BUCKETS[b]
         sets[b] = (*bucket_prompts(b, tok, args.prompts_per_task, n, args.short_len), n)
-    extra = dict(e.split("=", 1) for e in args.extra)
+    extra = {k: Path(v) for k, v in (e.split("=", 1) for e in args.extra)}
     copies = len(COPIES) - args.no_gptq + len(extra)
     print(f"rough estimate: {estimate(args, sets, copies)} (plus quantizing and converting what is not cached)",
           flush=True)
     dirs, quant_times = target_dirs(args.cache, not args.no_gptq, args.w4_group)
-    qual = quality({**dirs, **{k: Path(v) for k, v in extra.items()}}, tok, args.quality_prompts, args.agree_tokens,
-                   args.ppl_texts)
+    dirs.update(extra)
+    qual = quality(dirs, tok, args.quality_prompts, args.agree_tokens, args.ppl_texts)
     if args.quality_only:
         return write_quality(args, extra, qual)
     DRAFT_SOURCES["dspark"] = args.dspark.resolve()
@@ -794,8 +797,8 @@ def main() -> None:
 
 def write_quality(args: argparse.Namespace, extra: dict, qual: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.json").write_text(json.dumps({"w4_group": args.w4_group, "extra": extra,
-                                                       "quality": qual}, indent=1) + "\n")
+    saved = {"w4_group": args.w4_group, "extra": {k: str(v) for k, v in extra.items()}, "quality": qual}
+    (args.out / "quality.json").write_text(json.dumps(saved, indent=1) + "\n")
     for name in (n for n in qual if not n.startswith("_")):
         q = qual[name]
         print(f"{name}: agreement {q['agree']:.1%}, identical prefix {q['prefix']:.1f}, identical "
