@@ -153,14 +153,14 @@ def test_qpack_and_qlinear_refuse_what_the_kernel_cannot_read():
         native.qlinear(torch.randn(3, 64), native.QPacked(packed.data, 40, 64, 4, 0))
 
 
-def _bf16_cases(k: int) -> torch.Tensor:  # [11, k] bf16 rows whose every output (unit weights) is a rounding case
+def _bf16_cases(k: int) -> torch.Tensor:  # [11, k] bf16 rows whose sums (x[r, 0] + x[r, 1]) are rounding cases
     x = torch.zeros(11, k)
     x[:8, 0] = 1.0
     x[:8, 1] = torch.arange(8) * 2.0**-8  # 1 + m/256: halfway between bf16 neighbours for odd m (ties to even)
     x[8, 0] = float("inf")
     x[9, :2] = torch.tensor([float("inf"), float("-inf")])  # NaN
-    x[10, 0] = -3.0e38  # rounds past bf16's largest finite value: -inf
-    x[10, 1] = -3.0e38
+    # -(bf16's largest finite value + half its last step): a finite fp32 tie that rounds to even, -inf in bf16
+    x[10, :2] = torch.tensor([-(2 - 2.0**-7) * 2.0**127, -(2.0**119)])
     return x.to(BF16)
 
 
