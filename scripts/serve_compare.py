@@ -92,11 +92,11 @@ async def closed_loop(port: int, model: str, texts: list[str], clients: int, per
 
 
 def engine_counters(port: int) -> dict[str, float]:
-    """The verispec server's step counters from /metrics."""
+    """The verispec server's step and prefix-cache counters from /metrics."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
-        for name in ("engine_steps", "engine_undrafted_steps"):
+        for name in ("engine_steps", "engine_undrafted_steps", "prefix_cache_queries", "prefix_cache_hits"):
             if line.startswith(f"verispec:{name}_total "):
                 out[name] = float(line.split()[-1])
     return out
@@ -183,6 +183,9 @@ def main() -> None:
                 r["drafted_steps"] = r["steps"] - (after["engine_undrafted_steps"] - before["engine_undrafted_steps"])
                 if arm == "verispec plain":
                     r["drafted_steps"] = 0
+                # prompt tokens looked up and found: the arms' prefill work differs with their prefix-cache hits
+                r["prefix_queried"] = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+                r["prefix_hits"] = after["prefix_cache_hits"] - before["prefix_cache_hits"]
         finally:
             if arm == "llama-server":
                 proc = servers.pop(arm)[0]
@@ -215,19 +218,11 @@ def main() -> None:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
-    def runs(arm: str) -> str:
-        return ", ".join(f"{x[arm]:.0f}" for x in lib)
-
     out = ["# verispec serve vs llama-server, closed loop over HTTP", "",
            f"Machine: {model}, {args.threads} threads, flags `{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}`;"
            f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
            f"--max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}`.", "",
-           f"The library on the prompts one client sends (one request at a time, plain and dspark interleaved per "
-           f"prompt, run in each repeat right before the servers' runs at one client; tokens over time, prefill "
-           f"included): plain {statistics.median(x['plain'] for x in lib):.1f} tok/s (runs: {runs('plain')}), "
-           f"`dspark:zoo/dspark` with the dspark policy (k 8) {statistics.median(x['dspark'] for x in lib):.1f} "
-           f"(runs: {runs('dspark')}); speedup {statistics.median(x['dspark'] / x['plain'] for x in lib):.2f}x.",
-           *_one_client(rows, lib), "",
+           *_library(lib), *_one_client(rows, lib), "",
            "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
            "|---|" + "---|---|" * len(arms)]
     for c in clients:
@@ -242,8 +237,33 @@ def main() -> None:
         out += ["", "The dspark server's steps that drafted (its draft gate), per load over all repeats: " + ", ".join(
             f"{c} clients {sum(r['drafted_steps'] for r in gated if r['clients'] == c):.0f} of "
             f"{sum(r['steps'] for r in gated if r['clients'] == c):.0f}" for c in clients) + "."]
+    hits = [r for r in rows if r.get("prefix_queried")]
+    if hits:
+        out += ["", "Prompt tokens found in the prefix cache, per arm and load over all repeats: " + "; ".join(
+            f"{a} " + ", ".join(f"{c} clients {_share(hits, a, c):.0%}" for c in clients)
+            for a in arms if any(r["arm"] == a for r in hits)) + "."]
     (args.out / "summary.md").write_text("\n".join(out) + "\n")
     print("\n".join(out))
+
+
+def _library(lib: list[dict]) -> list[str]:
+    """The library's reference line (measured only in runs that include one client)."""
+    if not lib:
+        return []
+
+    def runs(arm: str) -> str:
+        return ", ".join(f"{x[arm]:.0f}" for x in lib)
+
+    return [f"The library on the prompts one client sends (one request at a time, plain and dspark interleaved per "
+            f"prompt, run in each repeat right before the servers' runs at one client; tokens over time, prefill "
+            f"included): plain {statistics.median(x['plain'] for x in lib):.1f} tok/s (runs: {runs('plain')}), "
+            f"`dspark:zoo/dspark` with the dspark policy (k 8) {statistics.median(x['dspark'] for x in lib):.1f} "
+            f"(runs: {runs('dspark')}); speedup {statistics.median(x['dspark'] / x['plain'] for x in lib):.2f}x."]
+
+
+def _share(rows: list[dict], arm: str, clients: int) -> float:
+    sel = [r for r in rows if r["arm"] == arm and r["clients"] == clients]
+    return sum(r["prefix_hits"] for r in sel) / max(sum(r["prefix_queried"] for r in sel), 1)
 
 
 def _one_client(rows: list[dict], lib: list[dict]) -> list[str]:

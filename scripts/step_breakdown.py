@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default="plain,dspark",
-                    help="plain, dspark, dspark-undrafted (the gate never drafts), plain-no-prefix-cache")
+                    help="plain, dspark, dspark-undrafted (the gate never drafts), dspark-forced (it always drafts), "
+                         "plain-no-prefix-cache")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare/breakdown.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,6 +76,7 @@ def main() -> None:
     prompts = [tok.encode(r["prompt"][-600:]) for t in ("code_completion", "code_continuation") for r in load_task(t)]
     dspark = EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8, max_running=64)
     arms = {"plain": EngineConfig(drafter=None, max_running=64), "dspark": dspark, "dspark-undrafted": dspark,
+            "dspark-forced": dspark,
             "plain-no-prefix-cache": EngineConfig(drafter=None, max_running=64, prefix_cache_bytes=0)}
     arms = {a: c for a, c in arms.items() if a in args.arms.split(",")}
     rows = []
@@ -82,6 +84,8 @@ def main() -> None:
         engine = Engine(target, None, config)
         if arm == "dspark-undrafted":  # the gate never drafts: what carrying the drafter costs on its own
             engine.gate.draft = lambda requests, clean=True: False
+        if arm == "dspark-forced":  # the gate always drafts: what drafting itself delivers at each load
+            engine.gate.draft = lambda requests, clean=True: True
         totals = {k: 0.0 for k in (*PHASES, "step")}
         timed_engine(engine, totals)
         aeng = AsyncEngine(engine).start()

@@ -311,3 +311,33 @@ def test_a_block_drafter_restarts_its_context_at_a_gap_only_when_windowed():
         assert drafter.context_length(0) == 13 and drafter._ctx_start[0] == 12
         with pytest.raises(ValueError, match="new rows start at 5"):  # never backwards
             drafter.observe(0, 5, {1: torch.randn(1, target.config.hidden_size)})
+
+
+def test_the_gate_times_the_whole_step_cache_growth_included(monkeypatch):
+    """A step's recorded time starts before the caches grow for the next round: that growth is part of what the
+    step's tokens cost (timed from the drafting on, a drafted step's rate read 5% high at 4 requests, Zen 5)."""
+    import verispec.engine.engine as engine_module
+
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-6
+        return clock[0]
+
+    monkeypatch.setattr(engine_module.time, "perf_counter", perf_counter)
+    engine = Engine(tiny_model(4), None, EngineConfig(policy="dspark", k=4, drafter="d", kv_block=8),
+                    drafters={"d": ModelDrafter(tiny_model(5))})
+    grow, grows, recorded = engine._grow, [], []
+
+    def slow_grow() -> None:
+        clock[0] += 1.0  # one second per growth phase: every recorded step must carry it
+        grows.append(1)
+        grow()
+
+    record = engine.gate.record
+    monkeypatch.setattr(engine, "_grow", slow_grow)
+    monkeypatch.setattr(engine.gate, "record", lambda r, d, t, s: (recorded.append(s), record(r, d, t, s)))
+    engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=24, ignore_eos=True), RequestSpec())
+    engine.run_until_done()
+    assert len(recorded) >= 5 and len(grows) == engine.metrics.num_steps
+    assert all(1.0 <= s < 1.1 for s in recorded), recorded
