@@ -15,6 +15,7 @@ from scipy import stats
 from verispec import sampling
 from verispec.verify import (
     PLACEHOLDER_TOKEN_ID,
+    greedy_commit_rows,
     greedy_tree_verify,
     greedy_verify,
     rejection_verify,
@@ -176,6 +177,9 @@ def test_greedy_verify_matches_plain_greedy_decode_with_ties():
         drafts = torch.where(torch.rand(sum(ks), generator=g) < 0.7, plain[_draft_positions(ks)],
                              torch.randint(0, 6, (sum(ks),), generator=g))
         out = greedy_verify(drafts, torch.tensor(ks), logits)
+        starts = [sum(ks[:b]) for b in range(len(ks) + 1)]
+        lists = [drafts[starts[b] : starts[b + 1]].tolist() for b in range(len(ks))]
+        host = greedy_commit_rows(lists, logits)  # the engine's host-list form of the same rule
         expected, d, t = [], 0, 0
         for k in ks:
             row = []
@@ -186,6 +190,13 @@ def test_greedy_verify_matches_plain_greedy_decode_with_ties():
             expected.append(row)
             d, t = d + k, t + k + 1
         assert out.rows() == expected
+        assert host == expected
+
+
+def test_greedy_commit_rows_refuses_rows_that_do_not_match_the_drafts():
+    logits = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match="4 target rows for drafts needing 3"):
+        greedy_commit_rows([[1], []], logits)
 
 
 # ------------------------------------------------------------------------------------------------------------

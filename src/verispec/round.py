@@ -22,7 +22,7 @@ from verispec.cache import KVCache, tree_mask, tree_positions
 from verispec.config import SamplingParams
 from verispec.drafters.base import Draft, Drafter
 from verispec.sampling import probs_for
-from verispec.verify import greedy_verify, rejection_tree_verify, verify_chain, verify_tree
+from verispec.verify import greedy_commit_rows, rejection_tree_verify, verify_chain, verify_tree
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,11 @@ def verify_batch(
     out: list[Verdict | None] = [None] * len(drafts)
     batch = [i for i, p in enumerate(params) if p.greedy and drafts[i].is_chain]
     if batch:
-        rows = torch.cat([torch.arange(starts[i], starts[i] + len(drafts[i].tokens) + 1) for i in batch])
-        res = greedy_verify(
-            torch.tensor([t for i in batch for t in drafts[i].tokens], dtype=torch.long, device=logits.device),
-            torch.tensor([len(drafts[i].tokens) for i in batch], device=logits.device),
-            logits[rows.to(logits.device)],
-        )
-        for i, block in zip(batch, res.rows()):
+        rows = logits  # every request greedy with a chain, and no other rows: all the rows, in order
+        if len(batch) < len(drafts) or logits.shape[0] != row:
+            index = torch.cat([torch.arange(starts[i], starts[i] + len(drafts[i].tokens) + 1) for i in batch])
+            rows = logits[index.to(logits.device)]
+        for i, block in zip(batch, greedy_commit_rows([drafts[i].tokens for i in batch], rows)):
             out[i] = Verdict(block, tuple(range(len(block) - 1)))
     trees = [i for i, p in enumerate(params) if not p.greedy and not drafts[i].is_chain]
     for soft in (False, True):
