@@ -111,8 +111,8 @@ def greedy_commit_rows(
     target_logits: torch.Tensor,  # [sum(k_b + 1), V] each request's rows (anchor, drafts) back to back
 ) -> list[list[int]]:  # [B] committed tokens: the accepted drafts, then the target's token after them
     """greedy_verify's rule on host lists, for callers that want lists: one argmax over every row and one host
-    transfer, where the padded tensor layout costs more than the comparisons (a plain engine step at one request
-    spent ~0.1 ms verifying one row through it)."""
+    transfer, where the padded tensor layout costs more than the comparisons (the plain engine at one request ran
+    at 0.93-0.95x the library's speed through the layout, 0.99-1.00x through this, Zen 5)."""
     best = greedy(target_logits).tolist()
     out, at = [], 0
     for draft in drafts:
