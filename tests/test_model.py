@@ -183,7 +183,8 @@ def test_qwen3_attention_bias_matches_hf(tmp_path):
 
 @torch.no_grad()
 def test_bf16_load_is_close_to_fp32(tmp_path):
-    """Loading with dtype=bf16 casts every weight, runs (with its fp32 CPU cache) and stays near the fp32 logits."""
+    """Loading with dtype=bf16 casts every weight, runs (with its cache of bf16 values, attention in fp32) and stays
+    near the fp32 logits."""
     hf = _hf_model("Qwen3Config", "Qwen3ForCausalLM")
     hf.save_pretrained(tmp_path)
     fp32 = load_model(tmp_path)
@@ -196,7 +197,7 @@ def test_bf16_load_is_close_to_fp32(tmp_path):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     assert (out.float() - ref).abs().max() < 0.15, (out.float() - ref).abs().max()
     cache = KVCache.for_model(bf16)
-    assert cache.k.dtype == torch.float32  # fp32 attention for bf16 models on CPU (KVCache.for_model)
+    assert cache.k.dtype == bf16.kv_dtype  # bf16 where the native forward reads it, else fp32 (Transformer.kv_dtype)
     chunked = torch.cat([bf16(ids[:, :12], cache=cache)[0], bf16(ids[:, 12:], cache=cache)[0]], dim=1)
     assert (chunked.float() - ref).abs().max() < 0.15
 

@@ -270,6 +270,74 @@ def test_bf16_greedy_equals_plain(k):
         assert decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=k)).token_ids == plain
 
 
+# ---- a bf16 model's KV cache in bf16 --------------------------------------------------------------------------
+
+def _fp32_cache(model, max_len: int) -> KVCache:
+    cfg = model.config
+    return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype=torch.float32)
+
+
+@needs_native
+def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_threads):
+    """A bf16 model's keys and values are bf16 values: its cache holds them in bf16 (half the bytes a step streams)
+    and the native forward reads them as the fp32 values they are, so every logit and every cache entry equals the
+    fp32 cache's bit for bit: a prefill, a verify step of 9, and a packed step of ragged sequences in one call."""
+    from verispec.cache import PackedBatch
+
+    model = tiny_model(3).to(BF16).pack_weights()
+    assert model.kv_dtype == BF16 and KVCache.for_model(model, max_len=4).k.dtype == BF16
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (41, 17, 23)]
+    out = {}
+    with torch.inference_mode():
+        for name, make in (("bf16", lambda: KVCache.for_model(model, max_len=64)),
+                           ("fp32", lambda: _fp32_cache(model, 64))):
+            caches = [make() for _ in prompts]
+            logits = [model(p[:, :-9], cache=c)[0] for p, c in zip(prompts, caches)]  # prefills
+            logits.append(model(prompts[0][:, -9:], cache=caches[0])[0])  # a verify step of 9 rows
+            lengths = [1, 9, 4]  # one packed step: a decode row, a verify chain, a short chunk
+            tokens = torch.cat([p[0, -9:][:n] if i else p[0, -1:] for i, (p, n) in enumerate(zip(prompts, lengths))])
+            caches[0].truncate(caches[0].length - 1)  # its last row again, in the packed step
+            batch = PackedBatch.build(caches, lengths, torch.device("cpu"))
+            logits.append(model.forward_packed(tokens, batch, torch.arange(sum(lengths)))[0])
+            out[name] = (logits, caches)
+    for got, want in zip(out["bf16"][0], out["fp32"][0]):
+        assert torch.equal(got, want)
+    for got, want in zip(out["bf16"][1], out["fp32"][1]):
+        assert got.k.dtype == BF16 and got.length == want.length
+        assert torch.equal(got.k[..., : got.length, :].float(), want.k[..., : want.length, :])
+        assert torch.equal(got.v[..., : got.length, :].float(), want.v[..., : want.length, :])
+
+
+@needs_native
+def test_the_torch_path_reads_a_bf16_cache_as_fp32():
+    """Where the native forward does not run (here: called past it), attention over a bf16 cache is the fp32 cache's:
+    the same values, converted, never bf16 attention."""
+    model = tiny_model(6).to(BF16).pack_weights()
+    tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = [model._forward(tokens[:, :8], None, KVCache.for_model(model, max_len=16), (), None)[0]]
+        want = [model._forward(tokens[:, :8], None, _fp32_cache(model, 16), (), None)[0]]
+    assert torch.equal(got[0], want[0])
+
+
+def test_only_a_bf16_model_with_the_native_forward_keeps_a_bf16_cache():
+    from conftest import tiny_config
+    from verispec.model.transformer import Transformer
+
+    assert tiny_model(1).kv_dtype == torch.float32  # fp32 model
+    unpacked = Transformer(tiny_config()).to(BF16)  # no native forward: the torch path would convert every layer
+    assert unpacked.fused is None and KVCache.for_model(unpacked, max_len=4).k.dtype == torch.float32
+
+
+@needs_native
+def test_an_fp32_models_decoder_refuses_a_bf16_cache():
+    model = tiny_model(7)
+    cache = KVCache(2, 2, 16, 8, dtype=BF16)
+    with pytest.raises(ValueError, match="decoder cache: expected a CPU float32"):
+        model.fused.decoder.forward(torch.tensor([1]), [(cache.k[:, 0], cache.v[:, 0], 0, 1)], torch.tensor([0]))
+
+
 # ---- where the kernels cannot be used -----------------------------------------------------------------------------
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:

@@ -152,6 +152,8 @@ def top_positions(
     queries and the head's query group, max-pooled over `pool` neighbouring positions (SnapKV's clustering)."""
     b, h, w, d = q.shape
     n, hkv = k.shape[2], k.shape[1]
+    if k.dtype == torch.bfloat16 and k.device.type == "cpu":  # a bf16 cache's keys (exact in fp32): CPU maths in fp32
+        k = k.float()
     q = q.to(k.dtype).reshape(b, hkv, h // hkv, w, d)
     logits = torch.einsum("bgqwd,bgnd->bgqwn", q, k) / d ** 0.5
     causal = torch.arange(n, device=k.device)[None, :] <= torch.arange(n - w, n, device=k.device)[:, None]  # [w, n]

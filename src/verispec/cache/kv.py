@@ -44,9 +44,11 @@ class KVCache:
         """A cache for `model`'s forwards; with `tier` (a device, e.g. "cpu"), a TieredKVCache kept there."""
         cfg = model.config
         param = next(model.parameters())
-        # bf16 attention on CPU is several times slower than fp32 (one query over 400 keys: 340 vs 45 us), so
-        # a bf16 model on CPU keeps its cache, and computes attention, in fp32.
-        dtype = torch.float32 if param.dtype == torch.bfloat16 and param.device.type == "cpu" else param.dtype
+        # the model's own choice where it makes one (Transformer.kv_dtype); else a bf16 model on CPU keeps its cache,
+        # and computes attention, in fp32 (bf16 attention there is several times slower)
+        dtype = getattr(model, "kv_dtype", None)
+        if dtype is None:
+            dtype = torch.float32 if param.dtype == torch.bfloat16 and param.device.type == "cpu" else param.dtype
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len or cfg.context_limit)
         if tier is not None:
             return TieredKVCache(*shape, batch=batch, dtype=dtype, device=param.device, tier=tier)

@@ -12,12 +12,17 @@
  * vs_attention_tree: query t sees keys [0, causal_from) and then the keys tails[t * W + j], j < ntail[t] (a draft
  * tree's ancestors and itself, ascending), in that order. Those extra keys are read one by one but scored, weighed
  * and summed in exactly the order a causal query would use if they sat right after the first causal_from keys, so a
- * tree node's output is bit-identical to the same query's in a chain holding its path (what a one-token step gives). */
+ * tree node's output is bit-identical to the same query's in a chain holding its path (what a one-token step gives).
+ *
+ * vs_attention_batch: many sequences' queries, each over its own cache (vs_attn_job), in one call; a cache may hold
+ * bf16 keys and values (a bf16 model's are bf16 values: exact, half the bytes a step streams), read as the fp32
+ * values they are, so the result equals an fp32 cache's holding the same values bit for bit. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "attention.h"
 #include "vecmath.h"
 
 static inline float hmax(__m256 v) {
@@ -43,20 +48,21 @@ static inline float hsum(__m256 v) {
     return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
 }
 
-/* scores[s] = scale * q . k[s] for s in [s0, s0 + 8) (full) or [s0, end) (the last keys of the cache). */
-static inline void scores8(const float *q, const float *k, int64_t kss, int64_t D, int64_t s0, int64_t end,
-                           float scale, float *scores) {
-    if (s0 + 8 <= end) {
+/* scores[j] = scale * q . k[j] for the cnt keys of one block (k: its first row, rows kss apart): all eight at once
+ * when the block is full, else one by one (the last keys of the cache). */
+static inline void scores8(const float *q, const float *k, int64_t kss, int64_t D, int64_t cnt, float scale,
+                           float *scores) {
+    if (cnt == 8) {
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
             const __m256 qv = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (s0 + j) * kss + d), a[j]);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * kss + d), a[j]);
         }
-        _mm256_storeu_ps(scores + s0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(scores, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
         return;
     }
-    for (int64_t s = s0; s < end; s++) {
+    for (int64_t s = 0; s < cnt; s++) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8)
             a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * kss + d), a);
@@ -110,28 +116,51 @@ static inline float score1(const float *q, const float *k, int64_t D, float scal
  * over 743 keys, one layer: 20.6 -> 8.4 ms; a verify step's 18 queries per head fit in one chunk). */
 #define QCHUNK 32
 
-static inline void prefetch_rows(const float *rows, int64_t n, int64_t stride) { /* n rows of `stride` floats */
+static inline void prefetch_rows(const void *rows, int64_t n, int64_t bytes) { /* n rows `bytes` apart */
     const char *c = (const char *)rows;
-    for (int64_t j = 0; j < n * stride * (int64_t)sizeof(float); j += 64) _mm_prefetch(c + j, _MM_HINT_T0);
+    for (int64_t j = 0; j < n * bytes; j += 64) _mm_prefetch(c + j, _MM_HINT_T0);
+}
+
+/* A cache's rows [s0, s0 + n) of head_dim D as fp32 rows D apart: in place for an fp32 cache (kss floats apart), or
+ * from a bf16 cache (kss elements apart) widened exactly into buf (a bf16 is the top half of the fp32 it stands for),
+ * once for every query of the group; the kernels above then read the same floats either way. */
+static inline const float *rows_f32(const void *base, int kv16, int64_t kss, int64_t s0, int64_t n, int64_t D,
+                                    float *buf, int64_t *stride) {
+    if (!kv16) {
+        *stride = kss;
+        return (const float *)base + s0 * kss;
+    }
+    const uint16_t *src = (const uint16_t *)base + s0 * kss;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(buf + r * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + r * kss + d))), 16)));
+    *stride = D;
+    return buf;
 }
 
 /* All nq queries that share one key/value head: scores block by block of keys (each block read once from L2 for
  * every query), then each query's softmax, then p @ V chunk by chunk. n[i]: the first keys query i sees; tail
  * (NULL for none) and m: tail[i] lists m[i] more keys it sees after them; qs[i]: its vector; o[i]: its output row;
- * p: nq rows of sp floats. */
+ * p: nq rows of sp floats. k, v: fp32 rows kss floats apart, or bf16 rows kss elements apart where kv16 (widened a
+ * block at a time into buf, KEY_CHUNK x D floats). */
 static void group(const float *const *qs, float *const *o, const int64_t *n, const int64_t *const *tail,
-                  const int64_t *m, int64_t nq, const float *k, const float *v, int64_t kss, int64_t D, int64_t S,
-                  float scale, float *p, int64_t sp) {
-    int64_t nmax = 0;
+                  const int64_t *m, int64_t nq, const void *k, const void *v, int64_t kss, int64_t D, int64_t S,
+                  float scale, float *p, int64_t sp, int kv16, float *buf) {
+    const int64_t esz = kv16 ? 2 : 4;
+    int64_t nmax = 0, st;
     for (int64_t i = 0; i < nq; i++) nmax = n[i] > nmax ? n[i] : nmax;
     for (int64_t s0 = 0; s0 < nmax; s0 += 8) {
-        prefetch_rows(k + (s0 + PF_KEYS) * kss, 8, kss);
+        prefetch_rows((const char *)k + (s0 + PF_KEYS) * kss * esz, 8, kss * esz);
+        const int64_t cnt = S - s0 < 8 ? S - s0 : 8; /* a block may run past n[i]: those scores are never read */
+        const float *kb = rows_f32(k, kv16, kss, s0, cnt, D, buf, &st);
         for (int64_t i = 0; i < nq; i++)
-            if (n[i] > s0) scores8(qs[i], k, kss, D, s0, S, scale, p + i * sp);
+            if (n[i] > s0) scores8(qs[i], kb, st, D, cnt, scale, p + i * sp + s0);
     }
     if (tail) /* after the blocks, which may have written past n[i] */
         for (int64_t i = 0; i < nq; i++)
-            for (int64_t j = 0; j < m[i]; j++) p[i * sp + n[i] + j] = score1(qs[i], k + tail[i][j] * kss, D, scale);
+            for (int64_t j = 0; j < m[i]; j++)
+                p[i * sp + n[i] + j] = score1(qs[i], rows_f32(k, kv16, kss, tail[i][j], 1, D, buf, &st), D, scale);
     for (int64_t i = 0; i < nq; i++) {
         float *pi = p + i * sp;
         const int64_t ni = n[i] + (tail ? m[i] : 0), n8 = (ni + 7) & ~(int64_t)7;
@@ -157,72 +186,85 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
         for (int64_t d = 0; d < D; d++) o[i][d] = 0.0f;
     }
     for (int64_t s0 = 0; s0 < nmax; s0 += KEY_CHUNK) {
-        prefetch_rows(v + (s0 + KEY_CHUNK) * kss, KEY_CHUNK, kss);
+        prefetch_rows((const char *)v + (s0 + KEY_CHUNK) * kss * esz, KEY_CHUNK, kss * esz);
+        const int64_t s1 = nmax < s0 + KEY_CHUNK ? nmax : s0 + KEY_CHUNK;
+        const float *vb = rows_f32(v, kv16, kss, s0, s1 - s0, D, buf, &st);
         for (int64_t i = 0; i < nq; i++)
-            if (n[i] > s0) pv_any(D, p + i * sp, v, kss, s0, n[i] < s0 + KEY_CHUNK ? n[i] : s0 + KEY_CHUNK, o[i]);
+            if (n[i] > s0) pv_any(D, p + i * sp + s0, vb, st, 0, (n[i] < s1 ? n[i] : s1) - s0, o[i]);
     }
     if (tail) /* the same accumulation, continued key by key */
         for (int64_t i = 0; i < nq; i++)
-            for (int64_t j = 0; j < m[i]; j++) pv_any(D, p + i * sp + n[i] + j, v + tail[i][j] * kss, kss, 0, 1, o[i]);
+            for (int64_t j = 0; j < m[i]; j++)
+                pv_any(D, p + i * sp + n[i] + j, rows_f32(v, kv16, kss, tail[i][j], 1, D, buf, &st), st, 0, 1, o[i]);
 }
 
-static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
-                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
-                  float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail, int64_t W,
-                  float scale, int threads) {
-    if (D % 8 != 0 || Hkv <= 0 || H % Hkv != 0) return -2;
-    if (tails) { /* every listed key inside the cache, before anything is read */
-        if (causal_from < 0 || causal_from > S || W < 0) return -2;
-        for (int64_t t = 0; t < T; t++) {
-            if (ntail[t] < 0 || ntail[t] > W) return -2;
-            for (int64_t j = 0; j < ntail[t]; j++)
-                if (tails[t * W + j] < 0 || tails[t * W + j] >= S) return -2;
+/* Every job's (job, kv head) units in one parallel region: a step over many requests forks once per layer, not once
+ * per request (64 one-token requests: 512 forks a step, ~3 ms of a 17 ms step on a 2-vCPU Zen 4). Units are
+ * handed out one at a time, so a prefill's long unit does not hold back the decode rows placed after it; each
+ * query is computed alone whichever thread takes it, so results do not depend on the schedule. */
+int vs_attention_batch(const vs_attn_job *jobs, int64_t njobs, int64_t H, int64_t D, int64_t Hkv, float scale,
+                       int threads) {
+    if (D % 8 != 0 || Hkv <= 0 || H % Hkv != 0 || njobs < 0) return -2;
+    const int64_t G = H / Hkv, units = njobs * Hkv;
+    int64_t nq_max = 1, sp = 8;
+    for (int64_t b = 0; b < njobs; b++) {
+        const vs_attn_job *J = jobs + b;
+        if (J->T < 0 || J->S < 0) return -2;
+        if (J->tails) { /* every listed key inside the cache, before anything is read */
+            if (J->causal_from < 0 || J->causal_from > J->S || J->W < 0 || !J->ntail) return -2;
+            for (int64_t t = 0; t < J->T; t++) {
+                if (J->ntail[t] < 0 || J->ntail[t] > J->W) return -2;
+                for (int64_t j = 0; j < J->ntail[t]; j++)
+                    if (J->tails[t * J->W + j] < 0 || J->tails[t * J->W + j] >= J->S) return -2;
+            }
         }
+        if (G * J->T > nq_max) nq_max = G * J->T;
+        if (((J->S + 7) & ~(int64_t)7) > sp) sp = (J->S + 7) & ~(int64_t)7;
     }
-    const int64_t G = H / Hkv, units = B * Hkv, nq = G * T, sp = (S + 7) & ~(int64_t)7;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
     {
-        float *p = (float *)malloc((size_t)((nq < QCHUNK ? nq : QCHUNK) * sp) * sizeof(float));
-        const float **qs = (const float **)malloc((size_t)nq * sizeof(float *));
-        float **o = (float **)malloc((size_t)nq * sizeof(float *));
-        int64_t *n = (int64_t *)malloc((size_t)nq * sizeof(int64_t));
-        const int64_t **tl = tails ? (const int64_t **)malloc((size_t)nq * sizeof(int64_t *)) : NULL;
-        int64_t *m = tails ? (int64_t *)malloc((size_t)nq * sizeof(int64_t)) : NULL;
-        const int ok = p && qs && o && n && (!tails || (tl && m));
+        float *p = (float *)malloc((size_t)((nq_max < QCHUNK ? nq_max : QCHUNK) * sp) * sizeof(float));
+        const float **qs = (const float **)malloc((size_t)nq_max * sizeof(float *));
+        float **o = (float **)malloc((size_t)nq_max * sizeof(float *));
+        int64_t *n = (int64_t *)malloc((size_t)nq_max * sizeof(int64_t));
+        const int64_t **tl = (const int64_t **)malloc((size_t)nq_max * sizeof(int64_t *));
+        int64_t *m = (int64_t *)malloc((size_t)nq_max * sizeof(int64_t));
+        float *buf = (float *)malloc((size_t)(KEY_CHUNK * D) * sizeof(float)); /* a bf16 block widened */
+        const int ok = p && qs && o && n && tl && m && buf;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++) {
             if (!ok) continue;
-            const int64_t b = u / Hkv, g = u % Hkv;
+            const vs_attn_job *J = jobs + u / Hkv;
+            const int64_t g = u % Hkv, S = J->S;
             int64_t live = 0;
-            for (int64_t t = 0; t < T; t++) {
-                int64_t nt = tails ? causal_from : causal_from < 0 ? S : causal_from + t + 1;
+            for (int64_t t = 0; t < J->T; t++) {
+                int64_t nt = J->tails ? J->causal_from : J->causal_from < 0 ? S : J->causal_from + t + 1;
                 nt = nt > S ? S : nt;
-                const int64_t mt = tails ? ntail[t] : 0;
+                const int64_t mt = J->tails ? J->ntail[t] : 0;
                 for (int64_t j = 0; j < G; j++) {
                     const int64_t h = g * G + j;
-                    float *oi = out + ((b * T + t) * H + h) * D;
+                    float *oi = J->out + (t * H + h) * D;
                     if (nt + mt <= 0) { /* no key visible: zeros, where softmax over nothing is undefined */
                         for (int64_t d = 0; d < D; d++) oi[d] = 0.0f;
                         continue;
                     }
-                    qs[live] = q + b * qsb + t * qst + h * qsh;
+                    qs[live] = J->q + t * J->qst + h * J->qsh;
                     o[live] = oi;
-                    if (tails) {
-                        tl[live] = tails + t * W;
-                        m[live] = mt;
-                    }
+                    tl[live] = J->tails ? J->tails + t * J->W : NULL;
+                    m[live] = mt;
                     n[live++] = nt;
                 }
             }
+            const int64_t head = g * J->ksh * (J->kv_bf16 ? 2 : 4); /* bytes to this kv head's rows */
             for (int64_t c = 0; c < live; c += QCHUNK) /* a prefill's queries a chunk at a time: p stays in L2 */
-                group(qs + c, o + c, n + c, tails ? tl + c : NULL, tails ? m + c : NULL,
-                      live - c < QCHUNK ? live - c : QCHUNK, k + b * ksb + g * ksh, v + b * ksb + g * ksh, kss, D, S,
-                      scale, p, sp);
+                group(qs + c, o + c, n + c, J->tails ? tl + c : NULL, J->tails ? m + c : NULL,
+                      live - c < QCHUNK ? live - c : QCHUNK, (const char *)J->k + head, (const char *)J->v + head,
+                      J->kss, D, S, scale, p, sp, J->kv_bf16, buf);
         }
         free(p);
         free(qs);
@@ -230,8 +272,25 @@ static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, in
         free(n);
         free(tl);
         free(m);
+        free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* B batch entries as B jobs of one batched call. */
+static int attend(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
+                  const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
+                  float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail, int64_t W,
+                  float scale, int threads) {
+    if (B < 0) return -2;
+    vs_attn_job *jobs = (vs_attn_job *)malloc((size_t)(B > 0 ? B : 1) * sizeof(vs_attn_job));
+    if (!jobs) return -1;
+    for (int64_t b = 0; b < B; b++)
+        jobs[b] = (vs_attn_job){q + b * qsb, k + b * ksb, v + b * ksb, out + b * T * H * D, T, S, qst, qsh, ksh, kss,
+                                causal_from, tails, ntail, W, 0};
+    const int rc = vs_attention_batch(jobs, B, H, D, Hkv, scale, threads);
+    free(jobs);
+    return rc;
 }
 
 int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,

@@ -16,12 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "vecmath.h"
 #include "weights.h"
-
-int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
-                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
-                 float *out, int64_t causal_from, float scale, int threads);
 
 /* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], as torch's RMSNorm in fp32 (up to summation order). */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {

@@ -11,7 +11,8 @@
  *
  * Numerics follow the torch path: with act_bf16 every value the torch path holds in bf16 is rounded to bf16 (to
  * nearest even) at the same point (after each matmul, norm, RoPE product and sum, SiLU, product and residual
- * add), the cache and attention are fp32, and matmuls accumulate in fp32. Only summation orders inside a norm
+ * add), attention is fp32 (over an fp32 cache, or a bf16 one holding the same bf16 values: vs_seq.kv_bf16), and
+ * matmuls accumulate in fp32. Only summation orders inside a norm
  * and the exp of SiLU differ from torch's, so the two paths agree to rounding. Every row is computed alone in one
  * fixed order, whatever else is in the call: a verify step gives each token exactly what one-token steps give.
  *
@@ -28,16 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "vecmath.h"
 #include "weights.h"
-
-int vs_attention(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst, int64_t qsh,
-                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh, int64_t kss,
-                 float *out, int64_t causal_from, float scale, int threads);
-int vs_attention_tree(const float *q, int64_t B, int64_t T, int64_t H, int64_t D, int64_t qsb, int64_t qst,
-                      int64_t qsh, const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksb, int64_t ksh,
-                      int64_t kss, float *out, int64_t causal_from, const int64_t *tails, const int64_t *ntail,
-                      int64_t W, float scale, int threads);
 
 typedef struct {
     vs_weight qkv, o, gate_up, down;
@@ -65,13 +59,14 @@ typedef struct {
 typedef struct {
     int64_t rows, cached;            /* new tokens; committed cache entries before them */
     int64_t first;                   /* the first new token's RoPE position (>= cached) */
-    float *k, *v;                    /* layer 0, kv head 0, position 0 of this sequence's cache */
-    int64_t layer_stride, head_stride, capacity; /* in floats; positions are head_dim floats apart */
+    void *k, *v;                     /* layer 0, kv head 0, position 0 of this sequence's cache */
+    int64_t layer_stride, head_stride, capacity; /* in elements; positions are head_dim elements apart */
     /* a draft tree's rows (all NULL for causal rows): positions [rows]; row t sees the first `seen` cache entries
      * (<= cached), then tails[t * tail_stride + j] for j < ntail[t] <= tail_stride, ascending cache rows in [seen,
      * cached + rows): its ancestors', whether written in this call or an earlier one, and its own last */
     const int64_t *pos, *tails, *ntail;
     int64_t seen, tail_stride;
+    int64_t kv_bf16;                 /* the cache holds bf16 (a bf16 model's keys and values are bf16 values) */
 } vs_seq;
 
 static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
@@ -177,6 +172,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
             seqs[s].first < seqs[s].cached || seqs[s].first + seqs[s].rows > m->max_pos ||
             (seqs[s].pos == NULL) != (seqs[s].tails == NULL) || (seqs[s].tails == NULL) != (seqs[s].ntail == NULL))
             return -2;
+        if (seqs[s].kv_bf16 && !bf16) return -2; /* an fp32 model's keys would be rounded */
         if (seqs[s].pos && (seqs[s].seen < 0 || seqs[s].seen > seqs[s].cached || seqs[s].tail_stride < 0)) return -2;
         for (int64_t t = 0; seqs[s].pos && t < seqs[s].rows; t++) {
             const vs_seq *S = seqs + s;
@@ -204,8 +200,11 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
     if (in_widest < 2 * d) in_widest = 2 * d;
     uint16_t *bits = (uint16_t *)malloc((size_t)(N * in_widest) * 2);
     float *cs = (float *)malloc((size_t)(2 * N * D) * sizeof(float)); /* each row's cos, sin */
+    int64_t *row_seq = (int64_t *)malloc((size_t)N * sizeof(int64_t)); /* each row's sequence */
+    int64_t *row0 = (int64_t *)malloc((size_t)(nseq > 0 ? nseq : 1) * sizeof(int64_t)); /* its first row */
+    vs_attn_job *jobs = (vs_attn_job *)malloc((size_t)(nseq > 0 ? nseq : 1) * sizeof(vs_attn_job));
     int rc = 0;
-    if (!x || !h || !big || !q || !att || !bits || !cs) {
+    if (!x || !h || !big || !q || !att || !bits || !cs || !row_seq || !row0 || !jobs) {
         rc = -1;
         goto done;
     }
@@ -230,6 +229,10 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
             goto done;
         round_all(x, N * d, bf16);
     }
+    for (int64_t s = 0, r = 0; s < nseq; r += seqs[s].rows, s++) {
+        row0[s] = r;
+        for (int64_t t = 0; t < seqs[s].rows; t++) row_seq[r + t] = s;
+    }
     for (int64_t s = 0, r = 0; s < nseq; r += seqs[s].rows, s++)
         for (int64_t t = 0; t < seqs[s].rows; t++) {
             const int64_t at = seqs[s].pos ? seqs[s].pos[t] : seqs[s].first + t;
@@ -247,37 +250,39 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
                                 threads)))
             goto done;
         round_all(big, N * nqkv, bf16);
-        for (int64_t s = 0, r0 = 0; s < nseq; r0 += seqs[s].rows, s++) {
-            const vs_seq *S = seqs + s;
-            float *kc = S->k + l * S->layer_stride, *vc = S->v + l * S->layer_stride;
+        /* RoPE and the cache write, every sequence's rows in one loop */
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
-            for (int64_t t = 0; t < S->rows; t++) {
-                float *row = big + (r0 + t) * nqkv;
-                const float *c = cs + (r0 + t) * 2 * D, *sn = c + D;
-                for (int64_t hh = 0; hh < H + Hkv; hh++) { /* queries, then keys */
-                    float *v = row + hh * D;
-                    const float *w = hh < H ? L->q_norm : L->k_norm;
-                    if (w) rmsnorm(v, w, D, m->eps, bf16, v);
-                    rope(v, c, sn, D, bf16);
-                }
-                memcpy(q + (r0 + t) * nq, row, (size_t)nq * sizeof(float));
-                for (int64_t g = 0; g < Hkv; g++) {
-                    const int64_t at = g * S->head_stride + (S->cached + t) * D;
-                    memcpy(kc + at, row + nq + g * D, (size_t)D * sizeof(float));
-                    memcpy(vc + at, row + nq + nkv + g * D, (size_t)D * sizeof(float));
-                }
+        for (int64_t r = 0; r < N; r++) {
+            const vs_seq *S = seqs + row_seq[r];
+            const int64_t t = r - row0[row_seq[r]];
+            const int64_t esz = S->kv_bf16 ? 2 : 4;
+            char *kc = (char *)S->k + l * S->layer_stride * esz, *vc = (char *)S->v + l * S->layer_stride * esz;
+            float *row = big + r * nqkv;
+            const float *c = cs + r * 2 * D, *sn = c + D;
+            for (int64_t hh = 0; hh < H + Hkv; hh++) { /* queries, then keys */
+                float *v = row + hh * D;
+                const float *w = hh < H ? L->q_norm : L->k_norm;
+                if (w) rmsnorm(v, w, D, m->eps, bf16, v);
+                rope(v, c, sn, D, bf16);
             }
-            if (S->rows && S->tails &&
-                (rc = vs_attention_tree(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,
-                                        S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->seen,
-                                        S->tails, S->ntail, S->tail_stride, 1.0f / sqrtf((float)D), threads)))
-                goto done;
-            if (S->rows && !S->tails &&
-                (rc = vs_attention(q + r0 * nq, 1, S->rows, H, D, S->rows * nq, nq, D, kc, vc, Hkv,
-                                   S->cached + S->rows, 0, S->head_stride, D, att + r0 * nq, S->cached,
-                                   1.0f / sqrtf((float)D), threads)))
-                goto done;
+            memcpy(q + r * nq, row, (size_t)nq * sizeof(float));
+            for (int64_t g = 0; g < Hkv; g++) {
+                const int64_t at = (g * S->head_stride + (S->cached + t) * D) * esz; /* bytes */
+                store_act(row + nq + g * D, D, (int)S->kv_bf16, kc + at); /* bf16 values: exact either way */
+                store_act(row + nq + nkv + g * D, D, (int)S->kv_bf16, vc + at);
+            }
         }
+        /* attention: one call (one parallel region) over every sequence's rows */
+        for (int64_t s = 0; s < nseq; s++) {
+            const vs_seq *S = seqs + s;
+            const int64_t r0 = row0[s];
+            const int64_t layer = l * S->layer_stride * (S->kv_bf16 ? 2 : 4); /* bytes */
+            jobs[s] = (vs_attn_job){q + r0 * nq, (const char *)S->k + layer, (const char *)S->v + layer,
+                                    att + r0 * nq, S->rows, S->cached + S->rows, nq, D, S->head_stride, D,
+                                    S->tails ? S->seen : S->cached, S->tails, S->ntail, S->tail_stride,
+                                    (int)S->kv_bf16};
+        }
+        if ((rc = vs_attention_batch(jobs, nseq, H, D, Hkv, 1.0f / sqrtf((float)D), threads))) goto done;
         round_all(att, N * nq, bf16);
         if ((rc = weight_matmul(&L->o, qlin, mm_input(att, N * nq, bf16, bits), bf16, N, nq, L->o_bias, d, h, threads)))
             goto done;
@@ -310,5 +315,8 @@ done:
     free(att);
     free(bits);
     free(cs);
+    free(row_seq);
+    free(row0);
+    free(jobs);
     return rc;
 }

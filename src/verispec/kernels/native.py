@@ -44,7 +44,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm.c", "attention.c", "markov.c", "blocklayer.c", "decoder.c", "argmax.c"))
 QSOURCES = (Path(__file__).with_name("qgemm.c"),)  # a library of its own per ISA, built on first qlinear
 # included by the sources: part of the build hash
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("vecmath.h", "simd.h", "weights.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("vecmath.h", "simd.h", "weights.h", "attention.h"))
 PROBE = Path(__file__).with_name("cpu.c")
 BLOCK = 16  # output columns per packed block (gemm.c)
 # Instruction sets, slowest first, with their compiler flags and the CPU features they need (cpu.c's bits).
@@ -654,7 +654,7 @@ class SeqDesc(ctypes.Structure):  # decoder.c's vs_seq
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("capacity", ctypes.c_int64),
                 ("pos", ctypes.c_void_p), ("tails", ctypes.c_void_p), ("ntail", ctypes.c_void_p),
-                ("seen", ctypes.c_int64), ("tail_stride", ctypes.c_int64)]
+                ("seen", ctypes.c_int64), ("tail_stride", ctypes.c_int64), ("kv_bf16", ctypes.c_int64)]
 
 
 def tree_rows(mask: torch.Tensor, seen: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -771,7 +771,8 @@ class Decoder:
     def forward(
         self,
         tokens: torch.Tensor,  # [N] int64: every sequence's new tokens, back to back
-        # per sequence: k, v [L, Hkv, S, D] fp32, cached, rows[, first position (default cached)[, tree]], where tree
+        # per sequence: k, v [L, Hkv, S, D] fp32 (or bf16 for a bf16 model: its keys and values are bf16 values),
+        # cached, rows[, first position (default cached)[, tree]], where tree
         # is a draft tree's (positions [rows], *tree_rows(mask, seen)) or None for causal rows
         caches: list[tuple],
         logit_rows: torch.Tensor,  # [M] int64 rows of `tokens` that need logits
@@ -794,16 +795,18 @@ class Decoder:
         seqs = (SeqDesc * max(1, len(caches)))()
         rows = 0
         shape = (self.num_layers, self.kv_heads)
+        # a bf16 cache holds an fp32 model's keys rounded: only a bf16 model's (bf16 values) go there
+        kv_dtypes = (torch.float32, torch.bfloat16) if self.dtype == torch.bfloat16 else (torch.float32,)
         trees = []  # kept alive until the call returns
         for i, (k, v, cached, count, *rest) in enumerate(caches):
             first = rest[0] if rest else cached
             tree = rest[1] if len(rest) > 1 else None
             for t in (k, v):
-                _cpu(t, "decoder cache")
-            if (k.shape != v.shape or k.stride() != v.stride() or tuple(k.shape[:2]) != shape
+                _cpu(t, "decoder cache", kv_dtypes)
+            if (k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or tuple(k.shape[:2]) != shape
                     or k.shape[3] != self.head_dim or k.stride(3) != 1 or k.stride(2) != self.head_dim):
-                raise ValueError(f"native decoder: cache {i} must be fp32 [{shape[0]}, {shape[1]}, S, "
-                                 f"{self.head_dim}] with contiguous rows, k and v in one layout")
+                raise ValueError(f"native decoder: cache {i} must be {' or '.join(map(str, kv_dtypes))} [{shape[0]}, "
+                                 f"{shape[1]}, S, {self.head_dim}] with contiguous rows, k and v in one layout")
             if cached < 0 or count < 0 or cached + count > k.shape[2]:
                 raise ValueError(f"KV cache overflow: {cached + count} positions > capacity {k.shape[2]}")
             if first < cached:
@@ -821,7 +824,7 @@ class Decoder:
                 trees.append((pos, tails, ntail))
                 ptrs = (pos.data_ptr(), tails.data_ptr(), ntail.data_ptr(), cached + count - w, w)
             seqs[i] = SeqDesc(count, cached, first, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2],
-                              *ptrs)
+                              *ptrs, k.dtype == torch.bfloat16)
             rows += count
         if rows != n:
             raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")

@@ -1,5 +1,5 @@
 """The target's forward as one native call (kernels/decoder.c) where it applies: a packed CPU model at inference
-over caller-owned fp32 KV caches. Elsewhere (CUDA, training, no cache, a changed weight) the model keeps the torch
+over caller-owned KV caches (fp32, or bf16 for a bf16 model: Transformer.kv_dtype). Elsewhere (CUDA, training, no cache, a changed weight) the model keeps the torch
 path of model/layers.py, which the native forward equals to rounding."""
 
 from __future__ import annotations
@@ -84,6 +84,12 @@ class _Watched:
         return self._state() == self._key
 
 
+def _writable(cache: KVCache, bf16: bool) -> bool:
+    """Whether decoder.c writes this cache: on the CPU, fp32, or bf16 for a model whose activations are bf16 (its
+    keys and values are bf16 values, exact there)."""
+    return cache.k.device.type == "cpu" and (cache.k.dtype == torch.float32 or bf16 and cache.k.dtype == torch.bfloat16)
+
+
 class FusedForward(_Watched):
     """A packed model's weights described once for decoder.c: each matmul dense (model.packing) or int8/int4
     (QuantLinear's qgemm.c pack)."""
@@ -106,13 +112,12 @@ class FusedForward(_Watched):
                                       (_fp32(rope.cos), _fp32(rope.sin)))
         self._watch(sources)
 
-    @staticmethod
-    def takes(cache: KVCache | PackedBatch | None) -> bool:
-        """Whether these caches are ones decoder.c writes: CPU fp32 KVCaches."""
+    def takes(self, cache: KVCache | PackedBatch | None) -> bool:
+        """Whether these caches are ones this model's decoder.c call writes (_writable)."""
+        bf16 = self.decoder.dtype == torch.bfloat16
         if isinstance(cache, PackedBatch):
-            return all(s.cache.k.dtype == torch.float32 and s.cache.k.device.type == "cpu" and s.cache.k.shape[1] == 1
-                       for s in cache.segments)
-        return isinstance(cache, KVCache) and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu"
+            return all(_writable(s.cache, bf16) and s.cache.k.shape[1] == 1 for s in cache.segments)
+        return isinstance(cache, KVCache) and _writable(cache, bf16)
 
     @staticmethod
     def tree(positions: torch.Tensor | None, mask: torch.Tensor | None, cache: KVCache) -> tuple | None | bool:
@@ -198,4 +203,4 @@ class FusedFeature(_Watched):
 
     @staticmethod
     def takes(caches: Sequence[KVCache]) -> bool:
-        return all(FusedForward.takes(c) and c.k.shape[1] == 1 for c in caches)
+        return all(isinstance(c, KVCache) and _writable(c, False) and c.k.shape[1] == 1 for c in caches)

@@ -183,6 +183,8 @@ class Attention(nn.Module):
         dtype = q.dtype
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, Hkv, S, D] with S = cached + T, in the cache's dtype
+            if k.dtype == torch.bfloat16 and k.device.type == "cpu":  # a bf16 cache (KVCache.for_model): fp32 maths
+                k, v = k.float(), v.float()
             q = q.to(k.dtype)
         if not causal and mask is None:
             raise ValueError("a non-causal attention needs its mask")
