@@ -1,6 +1,7 @@
 """The target's forward as one native call (kernels/decoder.c) where it applies: a packed CPU model at inference
-over caller-owned KV caches (fp32, or bf16 for a bf16 model: Transformer.kv_dtype). Elsewhere (CUDA, training, no cache, a changed weight) the model keeps the torch
-path of model/layers.py, which the native forward equals to rounding."""
+over caller-owned KV caches (fp32, or bf16 for a bf16 model: Transformer.kv_dtype). Elsewhere (CUDA, training, no
+cache, a changed weight) the model keeps the torch path of model/layers.py, which the native forward equals to
+rounding."""
 
 from __future__ import annotations
 
