@@ -64,6 +64,10 @@ SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")  # the default speed ta
 INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8")  # the int4 configurations of goals (2) and (3)
 DRAFT_SOURCES = {"model": ROOT / "zoo/drafter", "dspark": ROOT / "zoo/dspark"}
 INT4 = "-int4"  # a drafter arm on the int4 copy of its checkpoint
+# A drafter arm under the dspark policy (each round's draft cut where one more verified row stops paying, by the
+# target's step profile and the drafter's acceptance) instead of verifying all k: where a k+1-row step costs several
+# one-row steps (int4 on AVX-512 BF16), verifying all k can cost more than its accepted tokens save.
+DSPARK = "@dspark"
 # arm -> drafter spec; {model} and {dspark}: DRAFT_SOURCES, or their int4 copies for the -int4 arms
 DRAFTERS = {"plain": None, "ngram": "ngram", "model": "model:{model}", "dspark": "dspark:{dspark}",
             "lookup:dspark": "lookup:dspark:{dspark}", "model-int4": "model:{model}",
@@ -245,8 +249,13 @@ def drafter_specs(names: list[str], int4: dict[str, dict]) -> dict[str, str | No
     """Each drafter arm's spec, the -int4 arms on the int4 copies."""
     dense = {k: str(v) for k, v in DRAFT_SOURCES.items()}
     quant = {k: str(v["dir"]) for k, v in int4.items()}
-    return {n: None if DRAFTERS[n] is None else DRAFTERS[n].format(**(quant if n.endswith(INT4) else dense))
-            for n in names}
+    return {n: None if DRAFTERS[base(n)] is None else DRAFTERS[base(n)].format(**(quant if base(n).endswith(INT4)
+                                                                                  else dense)) for n in names}
+
+
+def base(drafter: str) -> str:
+    """The drafter arm's name without its policy."""
+    return drafter.removesuffix(DSPARK)
 
 
 def build_arms(dirs: dict[str, Path], targets: list[str], specs: dict[str, str | None], k: int) -> list[Arm]:
@@ -257,7 +266,8 @@ def build_arms(dirs: dict[str, Path], targets: list[str], specs: dict[str, str |
         plain = LLM(dirs[t], dtype="bf16")
         for d, spec in specs.items():
             if t in targets or spec is None:
-                arms.append(Arm(t, d, plain if spec is None else LLM(plain.target, drafter=spec, k=k)))
+                arms.append(Arm(t, d, plain if spec is None else LLM(
+                    plain.target, drafter=spec, k=k, policy="dspark" if d.endswith(DSPARK) else "fixed")))
     return arms
 
 
@@ -375,9 +385,9 @@ def machine() -> list[str]:
 
 def weights(drafter: str) -> str:
     """The drafter arm's own weights: int4, bf16, or - (plain, ngram: none)."""
-    if drafter.endswith(INT4):
+    if base(drafter).endswith(INT4):
         return "int4"
-    return "-" if DRAFTERS.get(drafter, "") in (None, "ngram") else "bf16"
+    return "-" if DRAFTERS.get(base(drafter), "") in (None, "ngram") else "bf16"
 
 
 def slug(bucket: str) -> str:
@@ -534,9 +544,10 @@ def bucket_section(bname: str, b: dict, args: argparse.Namespace) -> list[str]:
     about = b.get("about", "code_completion prompts")
     L = [f"## Speed and acceptance: {bname} bucket (bf16 activations, {args.threads} threads)", "",
          f"{b['prompts']} prompts, {about} (mean {b['prompt_tokens']:.0f} prompt tokens) + {n} new tokens "
-         f"(ignore_eos), k = {args.k}, medians over {args.repeats} repeats of the sum over prompts; speedups "
-         "against verispec's bf16 plain in the same repeat. e2e: prefill included; per token: after the target's "
-         "prefill (SpecStats.decode_s; tok/s counts every output token). τ and per-position acceptance (the "
+         f"(ignore_eos), k = {args.k} (arms named `{DSPARK}`: the dspark policy, which verifies at most k), "
+         f"medians over {args.repeats} repeats of the sum over prompts; speedups against verispec's bf16 plain "
+         "in the same repeat. e2e: prefill included; per token: after the target's prefill (SpecStats.decode_s; "
+         "tok/s counts every output token). τ and per-position acceptance (the "
          "fraction of drafted rounds whose position j was accepted) from the first repeat. `= plain`: generations "
          "(all repeats) whose tokens equal the same target's plain greedy output. drafter ms/round: the drafter's "
          "own time (SpecStats.draft_s) per decode round.", "", *speed_table(b), ""]
@@ -564,7 +575,7 @@ def write_report(out: Path, args: argparse.Namespace, res: dict) -> None:
          f"Produced by one command ({minutes} on this machine, quality included; quantized copies and GGUFs are "
          "cached under .cache/quant/ and ~/.cache/verispec/llama.cpp/; the numbers are also in results.json):", "",
          "```bash", res["command"], "```", "",
-         "Machine (lscpu):", "", "```", *machine(), "```", "",
+         "Machine (lscpu):", "", "```", *res.get("machine", machine()), "```", "",
          "Numbers from a shared 2-vCPU VM: other work on the host moves absolute tokens/s by a few percent; the "
          "arms are interleaved prompt by prompt, so ratios are the figures to read.", ""]
     L += quality_section(res)
@@ -615,7 +626,7 @@ def plot_speedups(bname: str, b: dict, path: Path) -> None:
         ax.set_ylabel(f"x bf16 plain, {what}")
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    labels = [d if weights(d) == "-" else f"{d.removesuffix(INT4)}\n{weights(d)} drafter" for d in drafters]
+    labels = [d if weights(d) == "-" else f"{d.replace(INT4, '')}\n{weights(d)} drafter" for d in drafters]
     axes[1].set_xticks(range(len(drafters)), labels, fontsize=8)
     fig.suptitle(f"{bname} bucket: {b['prompts']} prompts of ~{b['prompt_tokens']:.0f} tokens + "
                  f"{b.get('max_tokens', '?')} new")
@@ -677,7 +688,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--targets", default=",".join(SPEED_TARGETS), help="speed-run targets, comma-separated, of "
                     f"{', '.join(COPIES)} (bf16 plain always runs: it is the reference)")
     ap.add_argument("--drafters", default=",".join(DRAFTERS), help="drafter arms, comma-separated, of "
-                    f"{', '.join(DRAFTERS)} (plain always runs)")
+                    f"{', '.join(DRAFTERS)} (plain always runs); NAME{DSPARK}: that drafter, dspark policy")
     ap.add_argument("--llamacpp", default=LLAMACPP_ARMS,
                     help="llama.cpp arms (KIND-QUANT, as `verispec bench --llamacpp`), or none; arms whose build "
                          "is missing are skipped with a note")
@@ -714,7 +725,7 @@ def parse_args() -> argparse.Namespace:
     extra = [e.split("=", 1)[0] for e in args.extra]  # a copy made elsewhere (e.g. by QAD) can be a speed target
     for opt, allowed in (("buckets", BUCKETS), ("targets", [*COPIES, *extra]), ("drafters", DRAFTERS)):
         names = [x.strip() for x in getattr(args, opt).split(",") if x.strip()]
-        if bad := [x for x in names if x not in allowed]:
+        if bad := [x for x in names if (base(x) if opt == "drafters" else x) not in allowed or x == "plain" + DSPARK]:
             ap.error(f"--{opt}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
         setattr(args, opt, names)
     args.drafters = ["plain", *(d for d in args.drafters if d != "plain")]
@@ -771,7 +782,7 @@ def main() -> None:
     DRAFT_SOURCES["dspark"] = args.dspark.resolve()
     DRAFT_SOURCES["model"] = args.model.resolve()
     int4 = {n: int4_copy(src, args.cache) for n, src in DRAFT_SOURCES.items()
-            if any(d.endswith(INT4) and f"{{{n}}}" in DRAFTERS[d] for d in args.drafters)}
+            if any(base(d).endswith(INT4) and f"{{{n}}}" in DRAFTERS[base(d)] for d in args.drafters)}
     lcpp, skipped = llamacpp_arms(args.llamacpp, args.threads)
     for line in skipped:
         print(line, flush=True)
@@ -788,7 +799,7 @@ def main() -> None:
     res = {"format": 2, "command": cmd, "out": str(args.out), "args": {k: args.__dict__[k] for k in keep},
            "quantize_seconds": quant_times, "quality": qual, "speed": buckets, "llamacpp_skipped": skipped,
            "drafter_copies": {n: {**c, "dir": str(c["dir"])} for n, c in int4.items()},
-           "wall_s": time.perf_counter() - start}
+           "wall_s": time.perf_counter() - start, "machine": machine()}  # rerender may run on another machine
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     write_plots(args.out, buckets)
     write_report(args.out, args, res)
