@@ -1,0 +1,107 @@
+"""In-process A/B of engine arms under a closed loop (issue 22): plain, dspark, dspark-undrafted, dspark-forced,
+the arms alternating (order reversed every other repeat), each arm's engine and draft gate kept across repeats.
+
+    python scripts/engine_ab.py --clients 4,8 --repeats 4 --arms plain,dspark,dspark-undrafted
+
+The server's closed loop without HTTP: C clients, each sending its next request when the last one finishes (the last
+600 characters of a code task prompt, greedy, ignore_eos). Every request has the same length by default, as in
+scripts/serve_compare.py, so a plain arm's clients stay in lockstep (their prompts prefilled together); `--vary`
+spreads lengths over 40-56 tokens. Prints tokens/s per run and, per load, each arm over the first per repeat. One
+AsyncEngine lives at a time (two engine threads in one process each keep an OpenMP pool: see verispec/threads.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.bench.prompts import load_task
+from verispec.config import EngineConfig, RequestSpec, SamplingParams
+from verispec.engine.async_engine import AsyncEngine
+from verispec.engine.engine import Engine
+from verispec.model.checkpoint import load_model
+from verispec.model.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced")
+
+
+async def closed_loop(aeng: AsyncEngine, prompts: list[list[int]], clients: int, per_client: int,
+                      vary: bool) -> float:
+    async def client(c: int) -> None:
+        for j in range(per_client):
+            n = 40 + (c * 7 + j * 5) % 17 if vary else 48
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            async for _ in aeng.generate(prompts[(c * 7 + j) % len(prompts)], params, RequestSpec()):
+                pass
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return time.perf_counter() - t0
+
+
+def engine(target, arm: str) -> Engine:
+    if arm == "plain":
+        return Engine(target, None, EngineConfig(drafter=None, max_running=64))
+    eng = Engine(target, None, EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8,
+                                            max_running=64))
+    if arm == "dspark-undrafted":  # carrying the drafter without ever drafting
+        eng.gate.draft = lambda requests, clean=True: False
+    if arm == "dspark-forced":  # drafting on every step
+        eng.gate.draft = lambda requests, clean=True: True
+    return eng
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", default="4,8")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--arms", default="plain,dspark,dspark-undrafted", help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--requests", type=int, default=64, help="requests per run (at least 2 per client)")
+    ap.add_argument("--vary", action="store_true", help="request lengths 40-56 tokens instead of 48")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    arms = args.arms.split(",")
+    if bad := [a for a in arms if a not in ARMS]:
+        ap.error(f"--arms: unknown {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    clients = [int(c) for c in args.clients.split(",")]
+    torch.set_num_threads(args.threads)
+    target = load_model(ROOT / "zoo/target", dtype="bf16")
+    tok = Tokenizer.from_dir(ROOT / "zoo/target")
+    prompts = [tok.encode(r["prompt"][-600:]) for t in ("code_completion", "code_continuation") for r in load_task(t)]
+    engines = {a: engine(target, a) for a in arms}
+    for eng in engines.values():  # warm-up: first shapes, the gate's first measurements
+        aeng = AsyncEngine(eng).start()
+        try:
+            asyncio.run(closed_loop(aeng, prompts, 1, 2, args.vary))
+        finally:
+            aeng.shutdown()
+    rates: dict[tuple[str, int], list[float]] = {(a, c): [] for a in arms for c in clients}
+    for rep in range(args.repeats):
+        for c in clients:
+            for a in arms if rep % 2 == 0 else arms[::-1]:
+                eng = engines[a]
+                m = eng.metrics
+                tokens0, plain0, steps0 = m.num_output_tokens, m.undrafted_steps, m.num_steps
+                aeng = AsyncEngine(eng).start()
+                try:
+                    wall = asyncio.run(closed_loop(aeng, prompts, c, max(2, args.requests // c), args.vary))
+                finally:
+                    aeng.shutdown()
+                rates[(a, c)].append((eng.metrics.num_output_tokens - tokens0) / wall)
+                print(f"repeat {rep} clients {c} {a}: {rates[(a, c)][-1]:.0f} tok/s, steps kept plain "
+                      f"{eng.metrics.undrafted_steps - plain0} of {eng.metrics.num_steps - steps0}", flush=True)
+    for c in clients:
+        for a in arms[1:]:
+            ratios = [x / y for x, y in zip(rates[(a, c)], rates[(arms[0], c)])]
+            print(f"{c} clients, {a} / {arms[0]} per repeat: {', '.join(f'{r:.2f}' for r in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
