@@ -1,5 +1,6 @@
-"""In-process A/B of engine arms under a closed loop (issue 22): plain, dspark, dspark-undrafted, dspark-forced,
-the arms alternating (order reversed every other repeat), each arm's engine and draft gate kept across repeats.
+"""In-process A/B of engine arms under a closed loop (issue 22): step_breakdown.py's arms (plain, dspark,
+dspark-undrafted, dspark-forced, plain-no-prefix-cache) alternating, their order reversed every other repeat, each
+arm's engine and draft gate kept across repeats.
 
     python scripts/engine_ab.py --clients 4,8 --repeats 4 --arms plain,dspark,dspark-undrafted
 
@@ -15,46 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from step_breakdown import ARMS, arm_engine, closed_loop  # scripts/ is on sys.path when this script runs
 
 from verispec.bench.prompts import load_task
-from verispec.config import EngineConfig, RequestSpec, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
-from verispec.engine.engine import Engine
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced")
-
-
-async def closed_loop(aeng: AsyncEngine, prompts: list[list[int]], clients: int, per_client: int,
-                      vary: bool) -> float:
-    async def client(c: int) -> None:
-        for j in range(per_client):
-            n = 40 + (c * 7 + j * 5) % 17 if vary else 48
-            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            async for _ in aeng.generate(prompts[(c * 7 + j) % len(prompts)], params, RequestSpec()):
-                pass
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(c) for c in range(clients)))
-    return time.perf_counter() - t0
-
-
-def engine(target, arm: str) -> Engine:
-    if arm == "plain":
-        return Engine(target, None, EngineConfig(drafter=None, max_running=64))
-    eng = Engine(target, None, EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8,
-                                            max_running=64))
-    if arm == "dspark-undrafted":  # carrying the drafter without ever drafting
-        eng.gate.draft = lambda requests, clean=True: False
-    if arm == "dspark-forced":  # drafting on every step
-        eng.gate.draft = lambda requests, clean=True: True
-    return eng
 
 
 def main() -> None:
@@ -74,7 +46,7 @@ def main() -> None:
     target = load_model(ROOT / "zoo/target", dtype="bf16")
     tok = Tokenizer.from_dir(ROOT / "zoo/target")
     prompts = [tok.encode(r["prompt"][-600:]) for t in ("code_completion", "code_continuation") for r in load_task(t)]
-    engines = {a: engine(target, a) for a in arms}
+    engines = {a: arm_engine(target, a) for a in arms}
     for eng in engines.values():  # warm-up: first shapes, the gate's first measurements
         aeng = AsyncEngine(eng).start()
         try:

@@ -249,8 +249,8 @@ def drafter_specs(names: list[str], int4: dict[str, dict]) -> dict[str, str | No
     """Each drafter arm's spec, the -int4 arms on the int4 copies."""
     dense = {k: str(v) for k, v in DRAFT_SOURCES.items()}
     quant = {k: str(v["dir"]) for k, v in int4.items()}
-    return {n: None if DRAFTERS[base(n)] is None else DRAFTERS[base(n)].format(**(quant if base(n).endswith(INT4)
-                                                                                  else dense)) for n in names}
+    templates = {n: DRAFTERS[base(n)] for n in names}
+    return {n: t and t.format(**(quant if base(n).endswith(INT4) else dense)) for n, t in templates.items()}
 
 
 def base(drafter: str) -> str:

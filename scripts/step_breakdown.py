@@ -47,11 +47,35 @@ def timed_engine(engine: Engine, totals: dict[str, float]) -> None:
     wrap(engine.target, "forward_packed", "forward")
 
 
-async def closed_loop(aeng: AsyncEngine, prompts: list[list[int]], clients: int, per_client: int) -> float:
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced", "plain-no-prefix-cache")
+
+
+def arm_engine(target, arm: str) -> Engine:
+    """A fresh engine for one arm: plain, or the dspark policy with the zoo's DSpark drafter and its draft gate
+    as it ships, never drafting (what carrying the drafter costs on its own) or always drafting (what drafting
+    itself delivers at each load)."""
+    if arm.startswith("plain"):
+        return Engine(target, None, EngineConfig(drafter=None, max_running=64,
+                                                 **({"prefix_cache_bytes": 0} if arm == "plain-no-prefix-cache"
+                                                    else {})))
+    engine = Engine(target, None, EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8,
+                                               max_running=64))
+    if arm == "dspark-undrafted":
+        engine.gate.draft = lambda requests, clean=True: False
+    if arm == "dspark-forced":
+        engine.gate.draft = lambda requests, clean=True: True
+    return engine
+
+
+async def closed_loop(aeng: AsyncEngine, prompts: list[list[int]], clients: int, per_client: int,
+                      vary: bool = False) -> float:
+    """Seconds for `clients` closed-loop clients to send `per_client` requests each: 48 new tokens, or with `vary`
+    40-56 (so that clients do not finish together), greedy, ignore_eos."""
 
     async def client(c: int) -> None:
         for j in range(per_client):
+            params = SamplingParams(max_tokens=40 + (c * 7 + j * 5) % 17 if vary else 48, temperature=0.0,
+                                    ignore_eos=True)
             async for _ in aeng.generate(prompts[(c * 7 + j) % len(prompts)], params, RequestSpec()):
                 pass
 
@@ -74,18 +98,9 @@ def main() -> None:
     target = load_model(ROOT / "zoo/target", dtype="bf16")
     tok = Tokenizer.from_dir(ROOT / "zoo/target")
     prompts = [tok.encode(r["prompt"][-600:]) for t in ("code_completion", "code_continuation") for r in load_task(t)]
-    dspark = EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8, max_running=64)
-    arms = {"plain": EngineConfig(drafter=None, max_running=64), "dspark": dspark, "dspark-undrafted": dspark,
-            "dspark-forced": dspark,
-            "plain-no-prefix-cache": EngineConfig(drafter=None, max_running=64, prefix_cache_bytes=0)}
-    arms = {a: c for a, c in arms.items() if a in args.arms.split(",")}
     rows = []
-    for arm, config in arms.items():
-        engine = Engine(target, None, config)
-        if arm == "dspark-undrafted":  # the gate never drafts: what carrying the drafter costs on its own
-            engine.gate.draft = lambda requests, clean=True: False
-        if arm == "dspark-forced":  # the gate always drafts: what drafting itself delivers at each load
-            engine.gate.draft = lambda requests, clean=True: True
+    for arm in (a for a in ARMS if a in args.arms.split(",")):
+        engine = arm_engine(target, arm)
         totals = {k: 0.0 for k in (*PHASES, "step")}
         timed_engine(engine, totals)
         aeng = AsyncEngine(engine).start()
