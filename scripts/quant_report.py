@@ -4,7 +4,8 @@ run, written to reports/quant/README.md with PNG plots beside it.
     python scripts/quant_report.py --prompts-per-task 8 --repeats 3 --out reports/quant
 
 1. Makes (or reuses, under .cache/quant/) w8a16, w4a16 g32 RTN, w4a16 g32 GPTQ and w4a16 g32 RTN with the LM head
-   quantized too (w4a16-head, `verispec quantize --lm-head`) copies of zoo/target, and int4
+   quantized too (w4a16-head, `verispec quantize --lm-head`; w4a8-head: the same with int8 activations) copies of
+   zoo/target, and int4
    copies of zoo/drafter and zoo/dspark (w4a16 RTN; `verispec quantize`'s default group of 128 where it divides every
    quantized layer's input, else the largest group that does).
 2. Quality, fp32 activations: greedy agreement of each copy with the unquantized target over the bench's
@@ -59,9 +60,11 @@ COPIES = {
     "w4a16-gptq": QuantizeConfig(scheme="w4a16", group_size=32, method="gptq", calib_samples=32, calib_len=512),
     "w4a16-head": QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w4a16"),
     "w4a16-head8": QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w8a16"),
+    # w4a16-head's weights, every input rounded to int8 per group at run time: the integer matmul (vpdpbusd)
+    "w4a8-head": QuantizeConfig(scheme="w4a8", group_size=32, lm_head="w4a8"),
 }
 SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")  # the default speed targets; --targets takes any copy
-INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8")  # the int4 configurations of goals (2) and (3)
+INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8", "w4a8-head")  # the int4 configurations of goals (2) and (3)
 DRAFT_SOURCES = {"model": ROOT / "zoo/drafter", "dspark": ROOT / "zoo/dspark"}
 INT4 = "-int4"  # a drafter arm on the int4 copy of its checkpoint
 # A drafter arm under the dspark policy (each round's draft cut where one more verified row stops paying, by the
@@ -83,10 +86,10 @@ PACE = {"prefill": 5000.0, "decode": 400.0, "fp32": 60.0}
 
 def target_dirs(cache: Path, with_gptq: bool, w4_group: int = 32) -> tuple[dict[str, Path], dict[str, float]]:
     """Each copy's checkpoint directory, quantizing the ones not cached yet, and the seconds each took (kept
-    beside the cached copy in quantize_seconds.txt). The w4a16 copies use groups of `w4_group`."""
+    beside the cached copy in quantize_seconds.txt). The int4 copies use groups of `w4_group`."""
     dirs, seconds = {}, {}
     for name, cfg in COPIES.items():
-        if cfg is not None and cfg.scheme == "w4a16":
+        if cfg is not None and cfg.scheme in ("w4a16", "w4a8"):
             cfg = replace(cfg, group_size=w4_group)
         if cfg is None:
             dirs[name] = TARGET
@@ -484,7 +487,9 @@ def goals(buckets: dict, note: bool) -> list[str]:
                  f"its target's plain decoding: {best['target']} + {best['drafter']} {best['speedup']:.2f}x{eq}"
                  f"{extra} -> **{'met' if best['speedup'] >= 4 else 'not met'}**.")
     for bname, b in buckets.items():
-        for q in (r for r in b["rows"] if r["target"] in INT4_TARGETS and r["drafter"] == "plain"):
+        # goal (2) is about weight-only int4: w4a8 copies also round their activations
+        for q in (r for r in b["rows"] if r["target"] in INT4_TARGETS and r["drafter"] == "plain"
+                  and not COPIES[r["target"]].scheme.startswith("w4a8")):
             L.append(f"- (2) int4 plain >= 1.8x bf16 plain, {bname} bucket, {q['target']}: {q['speedup']:.2f}x end "
                      f"to end (**{'met' if q['speedup'] >= 1.8 else 'not met'}**), {q['decode_speedup']:.2f}x per "
                      f"output token ({'met' if q['decode_speedup'] >= 1.8 else 'not met'}).")
@@ -525,6 +530,9 @@ def quality_section(res: dict) -> list[str]:
           "only; embeddings, norms and the tied LM head stay bf16. w4a16-head: w4a16 with the LM head rounded to "
           "the same int4 grid too (`verispec quantize --lm-head`: the tied embedding is untied and stays bf16), "
           "since the bf16 head is 8 of the w4a16 copy's 20.6 MB and a one-token step reads all of them. "
+          "w4a8-head: w4a16-head's weights with every matmul input rounded to int8 per group of the weights at run "
+          "time (W4A8, `verispec quantize --scheme w4a8`: integer products through vpdpbusd; not weight-only, so "
+          "not a candidate for goal 2). "
           "Quantization times are wall seconds when the cached copy was made (2 threads; other jobs may have "
           "shared the CPU then)."]
     copies = res.get("drafter_copies") or {}
@@ -701,7 +709,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--agree-tokens", type=int, default=64)
     ap.add_argument("--ppl-texts", type=int, default=24, help="held-out code and prose texts for perplexity")
     ap.add_argument("--no-gptq", action="store_true", help="skip the GPTQ copy")
-    ap.add_argument("--w4-group", type=int, default=32, help="group size of the w4a16 target copies")
+    ap.add_argument("--w4-group", type=int, default=32, help="group size of the int4 target copies")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
                     help="another quantized copy for the quality table (e.g. w4a16-qad=data/quant/qad-w4a16-g128, "
                          "from `verispec train qad`), a speed target too where --targets names it; repeatable")

@@ -35,12 +35,21 @@ from verispec.quant.linear import QuantLinear  # noqa: E402
 from verispec.quant.rtn import quantize_rtn  # noqa: E402
 from verispec.quant.scheme import QuantScheme  # noqa: E402
 
-SCHEMES = {"w4a16-g32": QuantScheme(4, 32), "w8a16": QuantScheme(8, None), "w4a16-g64": QuantScheme(4, 64)}
+SCHEMES = {"w4a16-g32": QuantScheme(4, 32), "w8a16": QuantScheme(8, None), "w4a16-g64": QuantScheme(4, 64),
+           "w4a8-g32": QuantScheme(4, 32, act_bits=8)}
 
 
 def _args(s: QuantScheme) -> QuantizationArgs:
     return QuantizationArgs(num_bits=s.bits, type="int", symmetric=True,
                             strategy="channel" if s.group_size is None else "group", group_size=s.group_size)
+
+
+def _input_args(s: QuantScheme) -> QuantizationArgs | None:
+    """W4A8's activations as compressed-tensors states them: dynamic symmetric int8, the weights' groups."""
+    if s.act_bits == 16:
+        return None
+    return QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="group", group_size=s.group_size,
+                            dynamic=True)
 
 
 def _quant_linears(model) -> dict[str, QuantLinear]:
@@ -81,8 +90,8 @@ def _ct_checkpoint(path, scheme: QuantScheme, bias: bool = False):
                                    attention_bias=bias)
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     args = _args(scheme)
-    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                            ignore=["lm_head"])
+    group = QuantizationScheme(targets=["Linear"], weights=args, input_activations=_input_args(scheme))
+    qc = QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"])
     apply_quantization_config(model, qc)
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
@@ -109,6 +118,7 @@ def test_loads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
     model = load_model(tmp_path, "bf16")
     linears = _quant_linears(model)
     assert len(linears) == 14 and model.quantized
+    assert all(lin.act_bits == scheme.act_bits for lin in linears.values())
     for n, lin in linears.items():
         ref = _ct_decompress(state, n, scheme)  # bf16, the scale's dtype
         assert torch.equal(lin.dequantize(ref.dtype), ref), n
@@ -121,11 +131,12 @@ def test_loads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
 def test_compressed_tensors_decompresses_what_verispec_wrote(tmp_path, name):
     scheme = SCHEMES[name]
     save_model(tiny_model(0, 0.2), tmp_path / "dense", dtype="bf16")
-    cfg = QuantizeConfig(scheme=f"w{scheme.bits}a16", group_size=scheme.group_size)
+    cfg = QuantizeConfig(scheme=f"w{scheme.bits}a{scheme.act_bits}", group_size=scheme.group_size)
     quantize_checkpoint(tmp_path / "dense", tmp_path / "q", cfg, progress=False)
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qc)  # compressed-tensors reads the config we write
     assert parsed.format == "pack-quantized" and parsed.config_groups["group_0"].weights.num_bits == scheme.bits
+    assert parsed.config_groups["group_0"].input_activations == _input_args(scheme)
     state = load_file(str(tmp_path / "q" / "model.safetensors"))
     linears = _quant_linears(load_model(tmp_path / "q", "fp32"))
     assert len(linears) == 14

@@ -19,13 +19,16 @@ from verispec.drafters import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.kernels import native
 from verispec.model.transformer import Transformer
+from verispec.errors import ConfigError
+from verispec.quant.act8 import quantize_rows, w4a8_linear
 from verispec.quant.linear import QuantLinear
 from verispec.quant.rtn import dequantize, quantize_rtn
 from verispec.quant.scheme import QuantScheme
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.skipif(not native.qavailable(), reason=no_native_reason())
-SCHEMES = {"w4a16-g32": QuantScheme.named("w4a16", 32), "w8a16": QuantScheme.named("w8a16")}
+SCHEMES = {"w4a16-g32": QuantScheme.named("w4a16", 32), "w8a16": QuantScheme.named("w8a16"),
+           "w4a8-g32": QuantScheme.named("w4a8", 32)}
 PROJ = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
@@ -53,7 +56,7 @@ def _quantized(seed: int, scheme: QuantScheme | None, dtype: torch.dtype, pow2: 
                     with torch.no_grad():
                         lin.weight.copy_(dequantize(q, scales, dtype))
                 else:
-                    quant = QuantLinear(q, scales.to(dtype), pow2 or scheme.bits, lin.bias)
+                    quant = QuantLinear(q, scales.to(dtype), pow2 or scheme.bits, lin.bias, scheme.act_bits)
                     setattr(getattr(layer, part), name, quant)
     return model.eval().fuse_projections().pack_weights()
 
@@ -138,6 +141,46 @@ def test_greedy_speculation_equals_plain_through_the_native_forward(isa, scheme)
     for drafter in (ModelDrafter(target), ModelDrafter(other), NgramDrafter()):
         for k in (1, 4, 8):
             assert decode(target, prompt, params, drafter=drafter, spec=SpecConfig(k=k)).token_ids == plain
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, BF16])
+def test_w4a8_kernel_equals_the_torch_reference_bit_for_bit(isa, in_dtype, out_dtype):
+    """qgemm.c's int8-activation matmul and quant.act8's torch reference (the path off the native kernels) compute
+    the same chain: equal bit for bit on every kernel path, at every row count and tile shape (1-4, 5-9 and chunks
+    of 8 past 9 rows; AVX2's 4), for groups of 32 and 128, a group of K not a multiple of 8, an all-zero group,
+    rows past 32 (split over threads), and with a bias."""
+    g = torch.Generator().manual_seed(0)
+    for n, k, group in ((48, 64, 32), (40, 256, 128), (33, 24, 24)):
+        q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(n, k // group, generator=g) / 50
+        bias = torch.randn(n, generator=g)
+        packed = native.qpack(q, scales, group, 4, act_bits=8)
+        x = torch.randn(41, k, generator=g).to(in_dtype)
+        x[2, :group] = 0
+        for m in (1, 3, 4, 5, 9, 10, 13, 41):
+            for b in (None, bias):
+                got = native.qlinear(x[:m].contiguous(), packed, b, out_dtype)
+                want = w4a8_linear(x[:m], q, scales, b).to(out_dtype) if out_dtype == in_dtype else \
+                    w4a8_linear(x[:m].float(), q, scales, b).to(out_dtype)
+                assert torch.equal(got, want), (n, k, group, m)
+                assert torch.equal(got[-1], native.qlinear(x[m - 1 : m].contiguous(), packed, b, out_dtype)[0])
+
+
+def test_w4a8_rounds_activations_per_group_as_specified():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0, 127.0, 63.5, 0.0, 0.0]])
+    q, s = quantize_rows(x, 4)
+    assert torch.equal(s, torch.tensor([[2.0 / 127, 1.0]]))
+    assert torch.equal(q[0, 1], torch.tensor([127.0, 64.0, 0.0, 0.0]))  # 63.5 rounds half to even
+    assert torch.equal(q[0, 0], torch.round(torch.tensor([1.0, -2.0, 0.5, 0.0]) / (2.0 / 127)))
+    assert torch.equal(quantize_rows(torch.zeros(1, 4), 4)[0], torch.zeros(1, 1, 4))  # amax 0: all zero, no NaN
+
+
+def test_w4a8_needs_int4_weights_in_groups():
+    with pytest.raises(ValueError, match="int8 activations"):
+        native.qpack(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1), 32, 8, act_bits=8)
+    with pytest.raises(ConfigError, match="w8a8"):
+        QuantScheme(bits=8, group_size=32, act_bits=8)
 
 
 def test_a_changed_quantized_buffer_falls_back_to_the_torch_path():

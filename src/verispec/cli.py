@@ -753,7 +753,8 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="directory for the quantized checkpoint")
     p.add_argument("--scheme", default=QuantizeConfig.scheme, choices=SCHEMES)
     p.add_argument("--group-size", type=int, default=QuantizeConfig.group_size,
-                   help="32, 64 or 128 input columns per scale (default: 128 for w4a16, per channel for w8a16)")
+                   help="32, 64 or 128 input columns per scale (default: 128 for w4a16 and w4a8, per channel for "
+                        "w8a16)")
     p.add_argument("--method", default=QuantizeConfig.method, choices=METHODS)
     p.add_argument("--calib-samples", type=int, default=QuantizeConfig.calib_samples,
                    help="gptq: calibration sequences from the training corpus")

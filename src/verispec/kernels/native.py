@@ -52,9 +52,11 @@ ISAS = ("avx2", "avx512", "avx512bf16")
 _ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma"),
     "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-    "avx512bf16": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+    "avx512bf16": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                   "-mavx512vnni"),
 }
-_ISA_NEEDS = {"avx2": 0b11, "avx512": 0b111111, "avx512bf16": 0b1111111}
+# cpu.c's bits each needs; every CPU with AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4 on) has VNNI too
+_ISA_NEEDS = {"avx2": 0b11, "avx512": 0b111111, "avx512bf16": 0b11111111}
 # -ffp-contract=off: a*b + c stays two roundings in every build, as torch computes it, so no build fuses what
 # another does not.
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
@@ -293,13 +295,15 @@ def linear(
 class QPacked:
     """A weight q [n, k] (int8, or int4 in [-8, 7]) with fp32 scales per output column and group of inputs, in
     qgemm.c's layout: uint8 [n16 / 16, k / group, group bytes + 64] (a block's weights of one group, by 8 inputs
-    for int4 and by pair for int8, then the group's 16 scales)."""
+    for int4 and by pair for int8, then the group's 16 scales). act_bits 8 (int4 only): qlinear rounds its input
+    to int8 per group of inputs first (W4A8, see qgemm.c); 16: the input as it is."""
 
     data: torch.Tensor
     n: int
     k: int
     bits: int
     group: int
+    act_bits: int = 16
 
     @property
     def nbytes(self) -> int:
@@ -317,7 +321,7 @@ def _qlibrary() -> ctypes.CDLL:
             lib = build_library(f"q{name}", QSOURCES, (*FLAGS, *_ISA_FLAGS[name]))
             i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
             lib.vs_qlinear.restype = cint
-            lib.vs_qlinear.argtypes = [ptr, cint, i64, i64, i64, ptr, cint, i64, ptr, i64, ptr, cint, cint]
+            lib.vs_qlinear.argtypes = [ptr, cint, i64, i64, i64, ptr, cint, i64, cint, ptr, i64, ptr, cint, cint]
             _qlibs[name] = lib
         return _qlibs[name]
 
@@ -341,11 +345,14 @@ def qpack(
     scales: torch.Tensor,  # [N, K // group] fp32 (group == K: one scale per output channel)
     group: int,  # inputs per scale: divides K; a multiple of 8 (int4) or 2 (int8) unless it is K
     bits: int,  # 4 or 8
+    act_bits: int = 16,  # 8: qlinear rounds its input to int8 per group (int4 weights only)
 ) -> QPacked:
     """qgemm.c's layout: blocks of 16 output columns, each a stream of its groups (weights, then the group's
     scales), pad columns zero; a group spanning K is padded with zero weights to a multiple of 8 (int4) or 2."""
     if bits not in (4, 8):
         raise ValueError(f"native qpack: bits must be 4 or 8, got {bits}")
+    if act_bits not in (8, 16) or (act_bits == 8 and bits != 4):
+        raise ValueError(f"native qpack: act_bits {act_bits} with {bits}-bit weights (int8 activations take int4)")
     if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or not q.is_contiguous():
         raise ValueError(f"native qpack: expected a contiguous CPU int8 [N, K] weight, got {q.dtype} "
                          f"{tuple(q.shape)} on {q.device}")
@@ -376,7 +383,7 @@ def qpack(
     sc[:n] = scales
     sbytes = sc.view(n16 // BLOCK, BLOCK, groups).permute(0, 2, 1).contiguous().view(torch.uint8)  # [b, g, 64]
     data = torch.cat([wbytes.reshape(n16 // BLOCK, groups, -1), sbytes], dim=2).contiguous()
-    return QPacked(data, n, k, bits, group)
+    return QPacked(data, n, k, bits, group, act_bits)
 
 
 def _check_qpacked(packed: QPacked, what: str) -> None:
@@ -384,6 +391,9 @@ def _check_qpacked(packed: QPacked, what: str) -> None:
     n, k = packed.n, packed.k
     if packed.bits not in (4, 8) or packed.group <= 0 or k % packed.group:
         raise ValueError(f"native {what}: bits {packed.bits} / group {packed.group} is not a qpack() of K = {k}")
+    if packed.act_bits not in (8, 16) or (packed.act_bits == 8 and packed.bits != 4):
+        raise ValueError(f"native {what}: act_bits {packed.act_bits} with {packed.bits}-bit weights (int8 "
+                         "activations take int4 weights)")
     align = 8 if packed.bits == 4 else 2
     gp = -(-packed.group // align) * align
     want = (-(-n // BLOCK), k // packed.group, gp * BLOCK * packed.bits // 8 + 4 * BLOCK)  # weights, 16 scales
@@ -427,7 +437,7 @@ def qlinear(
     m = x.numel() // k
     y = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
     rc = lib.vs_qlinear(x.data_ptr(), x.dtype == torch.bfloat16, m, k, k, packed.data.data_ptr(), packed.bits,
-                        packed.group, _ptr(bias), n, y.data_ptr(), out_dtype == torch.bfloat16,
+                        packed.group, packed.act_bits, _ptr(bias), n, y.data_ptr(), out_dtype == torch.bfloat16,
                         torch.get_num_threads())
     if rc == -1:
         raise MemoryError("native qlinear: out of memory")
@@ -624,13 +634,13 @@ def block_layers(
 
 class WeightDesc(ctypes.Structure):  # decoder.c's vs_weight
     _fields_ = [("data", ctypes.c_void_p), ("bf16", ctypes.c_int32), ("bits", ctypes.c_int32),
-                ("group", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("act_bits", ctypes.c_int32)]
 
     @classmethod
     def of(cls, p: Packed | QPacked) -> WeightDesc:
         if isinstance(p, QPacked):
-            return cls(p.data.data_ptr(), 0, p.bits, p.group)
-        return cls(p.data.data_ptr(), p.bf16, 0, 0)
+            return cls(p.data.data_ptr(), 0, p.bits, p.group, p.act_bits)
+        return cls(p.data.data_ptr(), p.bf16, 0, 0, 16)
 
 
 class LayerDesc(ctypes.Structure):  # decoder.c's vs_layer

@@ -410,14 +410,265 @@ static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups,
 }
 #endif
 
+/* ---- int4 weights with int8 activations (act_bits 8: W4A8) -------------------------------------------------
+ * Each row's inputs are rounded to int8 per group of the weight (s = amax / 127, q = rint(x / s), 0 where the
+ * group is all zero), and a group's sum of products is an exact integer: the int4 stream's nibbles, XORed with 8
+ * (w + 8 in [0, 15], unsigned), times q (signed) through vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2,
+ * AVX-512BW: no pair sum reaches int16's range, 15 * 127 * 2), from -8 * sum(q) on. Exact integers in any order,
+ * so tiles and ISAs agree; the float part is one chain per output, per group g in ascending order:
+ *
+ *   acc = acc + (isum_g * s[m, g]) * scale[n, g]                        (acc = 0 before the first group)
+ *
+ * then + bias, then the store: the same operations, in the same order, as quant.act8's torch reference, so the
+ * native and torch results are bit-identical. vpdpbusd retires 64 multiply-adds an instruction against
+ * vdpbf16ps's 32, at the same rate on a Zen 4 (~3.6 G a core, either): the 32 matmuls of a zoo/target forward ran
+ * 1.6x faster than W4A16's at 16-256 rows, 1.15x at 9 (groups of 128; of 32, 1.35x and 1.04x: the per-group
+ * epilogue weighs 4x more), where one-row steps read the same bytes.
+ * An int4 stream's 8-input step holds, per column, nibbles of inputs 0, 2, 4, 6, 1, 3, 5, 7 from bit 0 up: its
+ * low nibbles are the bytes of inputs (0, 4, 1, 5), its high ones (2, 6, 3, 7), so x is laid out as those bytes. */
+#if VW == 16
+#define vset1i(v) _mm512_set1_epi32(v)
+#define vsrli4(e) _mm512_srli_epi32(e, 4)
+#define vnib8(e, x88, m0f) _mm512_ternarylogic_epi32(e, x88, m0f, 0x28) /* (e ^ 0x88..) & 0x0F.. */
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#if defined(__AVX512VNNI__)
+#define vdot4(s, w, x, ones) _mm512_dpbusd_epi32(s, w, x)
+#else
+#define vdot4(s, w, x, ones) _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones))
+#endif
+#else
+#define vset1i(v) _mm256_set1_epi32(v)
+#define vsrli4(e) _mm256_srli_epi32(e, 4)
+#define vnib8(e, x88, m0f) _mm256_and_si256(_mm256_xor_si256(e, x88), m0f)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vdot4(s, w, x, ones) _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones))
+#endif
+
+/* One tile of R rows x NV vectors: x this tile's rows, per group, per 8-input step o, per row two int32 of bytes
+ * (inputs 0, 4, 1, 5 and 2, 6, 3, 7); xs, xc: the rows' per-group s and 8 * sum(q), `groups` apart. */
+static inline __attribute__((always_inline)) void tile_a8(const int R, const int NV, const int32_t *x,
+                                                          const float *xs, const int32_t *xc, int64_t G8,
+                                                          int64_t groups, const char *w, int64_t bstride,
+                                                          int64_t sxo, const float *bias, void *y, int64_t N,
+                                                          int out_bf16, int64_t n0) {
+    const int64_t gbytes = G8 * 4 * BLOCK + SCALE_BYTES; /* an 8-input step is 4 bytes a column */
+    const vi x88 = vset1i((int)0x88888888u), m0f = vset1i(0x0F0F0F0F), ones = vset1i(0x00010001);
+    (void)ones; /* vpmaddwd's pair sums (no VNNI) */
+    float acc[MR_TALL][NV_WIDE][VW] __attribute__((aligned(64)));
+    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) vstoref(acc[m][v], vzero());
+    _Pragma("GCC unroll 1") for (int64_t g = 0; g < groups; g++) {
+        vi s[MR_TALL][NV_WIDE]; /* from -8 * sum(q): the sums of w * q, exactly, after the group */
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
+            const vi c = vset1i(-xc[m * groups + g]);
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = c;
+        }
+        const char *wg = w + g * gbytes;
+        const int32_t *xg = x + g * G8 * R * 2;
+        _Pragma("GCC unroll 1") for (int64_t o = 0; o < G8; o++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)  /* twice W4A16's distance: twice its pace */
+                _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + 2 * PREFETCH, PF_HINT);
+            /* the low nibbles' weights for every vector, then every row; then the high ones: NV weights live */
+            _Pragma("GCC unroll 2") for (int hi = 0; hi < 2; hi++) {
+                vi wt[NV_WIDE];
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                    const vi e = vloadi(wg + (v / VPB) * bstride + o * 4 * BLOCK + (v % VPB) * 32);
+                    wt[v] = vnib8(hi ? vsrli4(e) : e, x88, m0f);
+                }
+                const int32_t *xp = xg + o * R * 2 + hi;
+                _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
+                    const vi b = vset1i(xp[2 * m]);
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vdot4(s[m][v], wt[v], b, ones);
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+            const char *sv = wg + (v / VPB) * bstride + G8 * 4 * BLOCK + (v % VPB) * VW * 4 + sxo;
+            const vf sc = vloadf((const float *)sv);
+            _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
+                const vf f = vcvt(s[m][v]);
+                vstoref(acc[m][v], vadd(vloadf(acc[m][v]), vmul(vmul(f, vbcast(xs + m * groups + g)), sc)));
+            }
+        }
+    }
+    const size_t elt = out_bf16 ? 2 : 4;
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)
+        _Pragma("GCC unroll 12") for (int m = 0; m < R; m++)
+            store_row((char *)y + m * N * elt, out_bf16, n0 + v * VW, N, bias, vloadf(acc[m][v]));
+}
+
+typedef void (*a8tile_fn)(const int32_t *x, const float *xs, const int32_t *xc, int64_t G8, int64_t groups,
+                          const char *w, int64_t bstride, int64_t sxo, const float *bias, void *y, int64_t N, int ob,
+                          int64_t n0);
+#define INST_A8(R, NV)                                                                                             \
+    static __attribute__((noinline)) void a8_##R##_##NV(const int32_t *x, const float *xs, const int32_t *xc,     \
+                                                        int64_t G8, int64_t groups, const char *w, int64_t bstride, \
+                                                        int64_t sxo, const float *bias, void *y, int64_t N, int ob, \
+                                                        int64_t n0) {                                             \
+        tile_a8(R, NV, x, xs, xc, G8, groups, w, bstride, sxo, bias, y, N, ob, n0);                               \
+    }
+/* Tile shapes: GCC keeps at most ~18 int32 sums in registers here (a 6 x 4 or 10 x 2 tile spilled and ran at
+ * 70% of a 4 x 4's 3.3 G vpdpbusd/s a core, Zen 4). AVX-512: up to 4 rows x 4 vectors, 5-9 rows x 2 (a verify of
+ * k = 8 in one tile), past 9 chunks of 8 x 2; AVX2 (16 registers): 4 x 2. */
+#if VW == 16
+#define A8_ROWS 9
+#define INST_A8_4(R) INST_A8(R, 1) INST_A8(R, 2) INST_A8(R, 3) INST_A8(R, 4)
+#define INST_A8_2(R) INST_A8(R, 1) INST_A8(R, 2)
+#define A8_4(R) {a8_##R##_1, a8_##R##_2, a8_##R##_3, a8_##R##_4}
+#define A8_2(R) {a8_##R##_1, a8_##R##_2, 0, 0}
+INST_A8_4(1) INST_A8_4(2) INST_A8_4(3) INST_A8_4(4)
+INST_A8_2(5) INST_A8_2(6) INST_A8_2(7) INST_A8_2(8) INST_A8_2(9)
+static const a8tile_fn a8_table[A8_ROWS + 1][NV_WIDE] = {
+    {0}, A8_4(1), A8_4(2), A8_4(3), A8_4(4), A8_2(5), A8_2(6), A8_2(7), A8_2(8), A8_2(9)};
+/* rows per chunk and vectors per unit for M rows */
+#define A8_MR(M) ((M) <= 4 ? 4 : (M) <= 9 ? 9 : 8)
+#define A8_NV(M) ((M) <= 4 ? 4 : 2)
+#else
+#define A8_ROWS 4
+INST_A8(1, 1) INST_A8(1, 2) INST_A8(2, 1) INST_A8(2, 2) INST_A8(3, 1) INST_A8(3, 2) INST_A8(4, 1) INST_A8(4, 2)
+static const a8tile_fn a8_table[A8_ROWS + 1][NV_WIDE] = {
+    {0}, {a8_1_1, a8_1_2}, {a8_2_1, a8_2_2}, {a8_3_1, a8_3_2}, {a8_4_1, a8_4_2}};
+#define A8_MR(M) 4
+#define A8_NV(M) 2
+#endif
+
+/* One group of n inputs (fp32 or bf16) as int8 q (n rounded up to 8, the rest zero): returns s, sets *sum. AVX2
+ * over 8 inputs at a time where n allows (division and round to nearest even, as the scalar tail: the same q). */
+static float quantize_group8(const void *src, int in_bf16, int64_t n, float *v, int32_t *q, int32_t *sum) {
+    float amax = 0.0f;
+    int64_t j = 0;
+    if (n % 8 == 0) {
+        __m256 mx = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (; j < n; j += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + j));
+            const __m256 x = in_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                     : _mm256_loadu_ps((const float *)src + j);
+            _mm256_storeu_ps(v + j, x);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x));
+        }
+        float t[8];
+        _mm256_storeu_ps(t, mx);
+        for (int i = 0; i < 8; i++) amax = t[i] > amax ? t[i] : amax;
+    } else {
+        for (; j < n; j++) {
+            v[j] = in_bf16 ? bf16_value(((const uint16_t *)src)[j]) : ((const float *)src)[j];
+            const float a = v[j] < 0 ? -v[j] : v[j];
+            amax = a > amax ? a : amax;
+        }
+    }
+    const float s = amax / 127.0f;
+    const int64_t n8 = (n + 7) / 8 * 8;
+    memset(q, 0, (size_t)n8 * sizeof(int32_t));
+    *sum = 0;
+    if (amax == 0.0f) return s;
+    j = 0;
+    if (n % 8 == 0) {
+        const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+        __m256i acc = _mm256_setzero_si256();
+        for (; j < n; j += 8) {
+            const __m256 t = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + j), vs),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(t, hi), lo));
+            _mm256_storeu_si256((__m256i *)(q + j), qi);
+            acc = _mm256_add_epi32(acc, qi);
+        }
+        int32_t t[8];
+        _mm256_storeu_si256((__m256i *)t, acc);
+        for (int i = 0; i < 8; i++) *sum += t[i];
+    } else {
+        for (; j < n; j++) {
+            float t = nearbyintf(v[j] / s);
+            t = t > 127.0f ? 127.0f : t < -127.0f ? -127.0f : t;
+            q[j] = (int32_t)t;
+            *sum += q[j];
+        }
+    }
+    return s;
+}
+
+/* x's rows as int8 per group (see the W4A8 note); 0, or -1 if out of memory: xq in chunks of mr rows (a chunk at
+ * m0 starts at m0 * K8 * 2 int32, K8 = groups * G8 steps; inside, [group][step][row][2]), xs [M][groups] scales,
+ * xc [M][groups] 8 * sum(q). Rows split over threads where there are many (a prefill's). */
+static int quantize_x8(const void *x, int in_bf16, int64_t M, int64_t ldx, int64_t group, int64_t groups,
+                       int64_t G8, int64_t mr, int32_t *xq, float *xs, int32_t *xc, int threads) {
+    const int64_t K8 = groups * G8;
+    /* input k of an 8-input step -> its byte in the step's two int32: inputs 0, 4, 1, 5, then 2, 6, 3, 7 */
+    static const int slot[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && M >= 32)
+    {
+        float *v = malloc((size_t)group * sizeof(float));
+        int32_t *q = malloc((size_t)G8 * 8 * sizeof(int32_t));
+        if (!v || !q) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!v || !q) continue;
+            const int64_t m0 = m / mr * mr, rows = M - m0 < mr ? M - m0 : mr, r = m - m0;
+            const char *src = (const char *)x + (size_t)m * ldx * (in_bf16 ? 2 : 4);
+            int8_t *dst = (int8_t *)(xq + m0 * K8 * 2);
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t sum;
+                xs[m * groups + g] = quantize_group8(src + (size_t)g * group * (in_bf16 ? 2 : 4), in_bf16, group, v,
+                                                     q, &sum);
+                xc[m * groups + g] = 8 * sum;
+                for (int64_t o = 0; o < G8; o++) {
+                    int8_t *d = dst + ((g * G8 + o) * rows + r) * 8;
+                    for (int k = 0; k < 8; k++) d[slot[k]] = (int8_t)q[o * 8 + k];
+                }
+            }
+        }
+        free(v);
+        free(q);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The W4A8 matmul (vs_qlinear with act_bits 8). Returns 0 or -1 if out of memory. */
+static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const void *wp, int64_t group,
+                      int64_t groups, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+    const int64_t G8 = (group + 7) / 8, K8 = groups * G8, mr = A8_MR(M), nv_unit = A8_NV(M);
+    int32_t *xq = malloc((size_t)(M * K8 * 2) * sizeof(int32_t)), *xc = malloc((size_t)(M * groups) * 4);
+    float *xs = malloc((size_t)(M * groups) * sizeof(float));
+    if (!xq || !xs || !xc) {
+        free(xq), free(xs), free(xc);
+        return -1;
+    }
+    if (quantize_x8(x, in_bf16, M, ldx, group, groups, G8, mr, xq, xs, xc, threads)) {
+        free(xq), free(xs), free(xc);
+        return -1;
+    }
+    const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
+    const int64_t bstride = groups * (G8 * 4 * BLOCK + SCALE_BYTES), sxo = 0; /* units start on whole blocks */
+    const size_t yelt = out_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t v0 = u * nv_unit, nv = nvec - v0 < nv_unit ? nvec - v0 : nv_unit;
+        const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * 32;
+        for (int64_t m0 = 0; m0 < M; m0 += mr) {
+            const int rows = (int)(M - m0 < mr ? M - m0 : mr);
+            a8_table[rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb, bstride,
+                                   sxo, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+        }
+    }
+    free(xq), free(xs), free(xc);
+    return 0;
+}
+
 /* x: [M, K] rows ldx elements apart, fp32 or bf16 (in_bf16); wp: packed weight (see the top) of `bits` (4, 8)
- * with `group` inputs per scale; bias: fp32 [N] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32. Tiles as
+ * with `group` inputs per scale; act_bits: 16 (x as it is) or 8 (int4 weights: x rounded to int8, W4A8); bias:
+ * fp32 [N] or NULL; y: contiguous [M, N], bf16 (out_bf16) or fp32. Tiles as
  * vs_linear's (gemm.c). Returns 0, -1 if out of memory, -2 for bits, group or K the layout cannot hold. */
 int vs_qlinear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int bits,
-               int64_t group, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
+               int64_t group, int act_bits, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     const int64_t align = bits == 4 ? 8 : 2; /* inputs per load step */
     if ((bits != 4 && bits != 8) || group <= 0 || K <= 0 || K % group || (group % align && group != K)) return -2;
+    if (act_bits != 16 && !(act_bits == 8 && bits == 4)) return -2; /* int8 activations: int4 weights only */
     if (M <= 0 || N <= 0) return 0;
+    if (act_bits == 8) return qlinear_a8(x, in_bf16, M, ldx, wp, group, K / group, bias, N, y, out_bf16, threads);
     const int wide = M <= MR_WIDE || M > MR_TALL;
     const int64_t nv_unit = wide ? NV_WIDE : NV_TALL, mr = wide ? MR_WIDE : MR_TALL;
     const int64_t groups = K / group, G2 = (group + align - 1) / align * align / 2, K2 = groups * G2;

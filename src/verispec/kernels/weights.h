@@ -11,13 +11,15 @@ int vs_linear(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, con
 
 /* qgemm.c's entry point (see vs_qlinear there) */
 typedef int (*vs_qlinear_fn)(const void *x, int in_bf16, int64_t M, int64_t K, int64_t ldx, const void *wp, int bits,
-                             int64_t group, const float *bias, int64_t N, void *y, int out_bf16, int threads);
+                             int64_t group, int act_bits, const float *bias, int64_t N, void *y, int out_bf16,
+                             int threads);
 
 typedef struct {
     const void *data; /* packed weight: gemm.c's (bits 0) or qgemm.c's */
     int32_t bf16;     /* dense: bf16 (else fp32) weights */
     int32_t bits;     /* 0: dense; 4 or 8: weight-only int, `group` inputs per scale */
     int64_t group;
+    int32_t act_bits; /* quantized: 16 (x as it is) or 8 (x rounded to int8 per group: W4A8) */
 } vs_weight;
 
 /* y [M, N] = x [M, K] (contiguous rows) @ w^T (+ bias), bf16 (out_bf16) or fp32, by gemm.c or (w->bits)
@@ -25,7 +27,7 @@ typedef struct {
 static inline int weight_matmul_to(const vs_weight *w, vs_qlinear_fn qlin, const void *x, int in_bf16, int64_t M,
                                    int64_t K, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     if (!w->bits) return vs_linear(x, in_bf16, M, K, K, w->data, w->bf16, bias, N, y, out_bf16, threads);
-    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, bias, N, y, out_bf16, threads) : -2;
+    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, w->act_bits, bias, N, y, out_bf16, threads) : -2;
 }
 
 /* weight_matmul_to with fp32 y */

@@ -92,7 +92,7 @@ class _BlockLayer(nn.Module):
         if isinstance(self.q_proj, QuantLinear):
             self.qkv_quant = QuantLinear.concat([self.q_proj, self.k_proj, self.v_proj])
             qkv, rows = self.qkv_quant, self.nq * self.head_dim
-            self.kv_quant = QuantLinear(qkv.qweight[rows:], qkv.scales[rows:], qkv.bits)
+            self.kv_quant = QuantLinear(qkv.qweight[rows:], qkv.scales[rows:], qkv.bits, act_bits=qkv.act_bits)
             self.mlp.fuse()
             return
         self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)[0]

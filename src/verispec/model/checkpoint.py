@@ -19,6 +19,7 @@ from verispec.errors import CheckpointError, ConfigError
 from verispec.model.transformer import Transformer
 from verispec.quant.format import parse_quant_config, take_quantized
 from verispec.quant.linear import QuantLinear
+from verispec.quant.scheme import QuantScheme
 
 # The key of a block drafter's config.json naming its kind (block, dspark): see drafters.block.save_block_drafter.
 DRAFTER_KIND_KEY = "verispec_drafter"
@@ -88,7 +89,7 @@ def _more(names: list[str]) -> str:
 
 def _take_quantized(
     path: str | Path, model: Transformer, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]]:
     """A quantized checkpoint's Linears (see quant.format), checked and unpacked, their tensors taken out of
     `state` and `expected`; {} for a dense checkpoint."""
     raw = json.loads((Path(path) / "config.json").read_text())
@@ -140,10 +141,10 @@ def load_model(
     model.load_state_dict({k: state[k].to(dt) for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for name, (q, scales, bits, bias) in quantized.items():
+    for name, (q, scales, scheme, bias) in quantized.items():
         parent, _, child = name.rpartition(".")
         bias = None if bias is None else bias.to(dt)
-        setattr(model.get_submodule(parent), child, QuantLinear(q, scales, bits, bias))
+        setattr(model.get_submodule(parent), child, QuantLinear(q, scales, scheme.bits, bias, scheme.act_bits))
     # Non-persistent buffers (RoPE tables) were built on the meta device: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     model = model.to(device).eval().fuse_projections()

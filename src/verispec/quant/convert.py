@@ -27,7 +27,8 @@ COPIED = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "vo
 @dataclass(frozen=True)
 class QuantizeConfig:
     scheme: str = "w4a16"
-    """w8a16 (int8, per channel by default) or w4a16 (int4, group 128 by default)."""
+    """w8a16 (int8, per channel by default), w4a16 (int4, group 128 by default) or w4a8 (w4a16's weights, the input
+    rounded to int8 per group at run time: the same file with input_activations in its config)."""
     group_size: int | None = None
     """32, 64 or 128 (0 or None: the scheme's default)."""
     method: str = "rtn"

@@ -64,7 +64,7 @@ def quantize_block_drafter(src: Path, out: Path, scheme: QuantScheme, method: st
 
 def take_block_quantized(
     meta: dict, model: nn.Module, state: dict[str, torch.Tensor], where: str | Path
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]]:
     """A block drafter checkpoint's quantized Linears, checked and unpacked and taken out of `state` (see
     quant.format.take_quantized); {} for a dense drafter. The dense-only modules must stay dense."""
     if "quantization_config" not in meta:
@@ -79,9 +79,9 @@ def take_block_quantized(
 
 
 def install_quantized(
-    model: nn.Module, quantized: dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]
+    model: nn.Module, quantized: dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]]
 ) -> None:
     """Replace each named Linear of `model` by the QuantLinear of take_block_quantized's values."""
-    for name, (q, scales, bits, bias) in quantized.items():
+    for name, (q, scales, scheme, bias) in quantized.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, QuantLinear(q, scales, bits, bias))
+        setattr(model.get_submodule(parent), child, QuantLinear(q, scales, scheme.bits, bias, scheme.act_bits))

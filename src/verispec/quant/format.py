@@ -9,15 +9,17 @@ and everything else (embeddings, norms, biases, ignored Linears such as lm_head)
 config.json of the model gains `quantization_config` (see `quant_config_dict`). A Linear is quantized when a config
 group's `targets` match it ("Linear", its exact name, or "re:" + a regex matched at the start of its name, as
 compressed-tensors' utils/match.py does) and `ignore` does not. Only what verispec computes is accepted: symmetric
-int weights of 4 or 8 bits, group (32/64/128) or channel scales, no activation or KV-cache quantization; anything
-else is a CheckpointError naming what is wrong, raised before any module is built.
+int weights of 4 or 8 bits, group (32/64/128) or channel scales; input activations unquantized, or (int4 weights
+only, W4A8) dynamic symmetric int8 with the weights' group strategy and size (one scale per row and group, made at
+run time: quant.act8); no output-activation or KV-cache quantization. Anything else is a CheckpointError naming
+what is wrong, raised before any module is built.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,26 @@ def _matches(target: str, name: str) -> bool:
     return target == name
 
 
-def _scheme(group: str, weights: Any, where: str) -> QuantScheme:
+def _act_bits(group: str, acts: Any, weights: dict, where: str) -> int:
+    """input_activations -> 16 (none) or 8: dynamic symmetric int8, one scale per weight group (what qgemm.c and
+    quant.act8 compute); any other activation scheme is a CheckpointError."""
+    if acts is None:
+        return 16
+    what = f"{where}: group {group} quantizes input_activations"
+    if not isinstance(acts, dict):
+        raise CheckpointError(f"{what} with a {type(acts).__name__}, not an object")
+    if acts.get("type", "int") != "int" or acts.get("num_bits") != 8:
+        raise CheckpointError(f"{what} as {acts.get('type', 'int')}{acts.get('num_bits')}; int8 only")
+    if not acts.get("symmetric", True) or not acts.get("dynamic", False):
+        raise CheckpointError(f"{what} {'asymmetrically' if not acts.get('symmetric', True) else 'statically'}; "
+                              "dynamic symmetric int8 only")
+    if acts.get("strategy") != "group" or acts.get("group_size") != weights.get("group_size"):
+        raise CheckpointError(f"{what} with strategy {acts.get('strategy')!r} (group size {acts.get('group_size')})"
+                              f"; verispec takes the weights' groups (group, {weights.get('group_size')})")
+    return 8
+
+
+def _scheme(group: str, weights: Any, where: str, acts: Any = None) -> QuantScheme:
     if not isinstance(weights, dict):
         raise CheckpointError(f"{where}: quantization_config group {group} has no weight quantization (weights)")
     if weights.get("type", "int") != "int":
@@ -76,8 +97,9 @@ def _scheme(group: str, weights: Any, where: str) -> QuantScheme:
     elif strategy != "group":
         raise CheckpointError(f"{where}: unsupported weight strategy {strategy!r} in group {group} "
                               "(group or channel)")
-    try:
-        return QuantScheme(bits=int(weights.get("num_bits", 0)), group_size=group_size)
+    try:  # the weights' own scheme first: a bad group size is named before what the activations say of it
+        weight_only = QuantScheme(bits=int(weights.get("num_bits", 0)), group_size=group_size)
+        return replace(weight_only, act_bits=_act_bits(group, acts, weights, where))
     except ConfigError as e:
         raise CheckpointError(f"{where}: group {group}: {e}") from None
 
@@ -102,13 +124,12 @@ def parse_quant_config(qc: Any, where: str | Path) -> QuantConfig:
         fmt = g.get("format") or qc.get("format")
         if fmt != FORMAT:
             raise CheckpointError(f"{where}: unsupported format {fmt!r} in group {gname} (verispec reads {FORMAT})")
-        for kind in ("input_activations", "output_activations"):
-            if g.get(kind) is not None:
-                raise CheckpointError(f"{where}: group {gname} quantizes {kind}; weight-only schemes only")
+        if g.get("output_activations") is not None:
+            raise CheckpointError(f"{where}: group {gname} quantizes output_activations; unsupported")
         targets = g.get("targets")
         if not isinstance(targets, list) or not targets:
             raise CheckpointError(f"{where}: group {gname} has no targets")
-        parsed.append((tuple(targets), _scheme(gname, g.get("weights"), where)))
+        parsed.append((tuple(targets), _scheme(gname, g.get("weights"), where, g.get("input_activations"))))
     return QuantConfig(tuple(parsed), tuple(qc.get("ignore") or ()))
 
 
@@ -117,12 +138,12 @@ def take_quantized(
     linears: dict[str, tuple[int, int, bool]],  # module name -> (out, in, has_bias) for every candidate Linear
     qcfg: QuantConfig,
     where: str | Path,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]]:
     """Check and unpack every quantized Linear's tensors, popping them (and its bias) from `state`.
 
-    Returns {name: (q int8 [out, in], scales [out, in / group], bits, bias [out] or None)}. Nothing is built
+    Returns {name: (q int8 [out, in], scales [out, in / group], its scheme, bias [out] or None)}. Nothing is built
     here, so a bad tensor anywhere fails before a module exists."""
-    out: dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = {}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]] = {}
     for name, (n_out, n_in, has_bias) in linears.items():
         scheme = qcfg.scheme_for(name)
         if scheme is None:
@@ -152,7 +173,7 @@ def take_quantized(
             if tuple(bias.shape) != (n_out,):
                 raise CheckpointError(f"{where}: tensor {name}.bias has shape {tuple(bias.shape)}, config implies "
                                       f"{(n_out,)}")
-        out[name] = (unpack_int32(packed, scheme.bits, n_in), scale, scheme.bits, bias)
+        out[name] = (unpack_int32(packed, scheme.bits, n_in), scale, scheme, bias)
     for name in out:
         for suffix in (*SUFFIXES, "bias"):
             state.pop(f"{name}.{suffix}", None)
@@ -169,7 +190,10 @@ def quant_config_dict(scheme: QuantScheme, ignore: tuple[str, ...] = ("lm_head",
             "strategy": "channel" if s.group_size is None else "group", "group_size": s.group_size,
             "dynamic": False, "actorder": None, "observer": "minmax",
         }
-        return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
+        acts = None if s.act_bits == 16 else {  # compressed-tensors' QuantizationArgs, made at run time (dynamic)
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": s.group_size,
+            "dynamic": True, "actorder": None, "observer": None}
+        return {"targets": targets, "weights": weights, "input_activations": acts, "output_activations": None,
                 "format": FORMAT}
 
     groups = {"group_0": group(scheme, ["Linear"])}

@@ -1,7 +1,8 @@
 """QuantLinear: a frozen Linear whose weight is int8/int4 values with group-wise (or per-channel) scales.
 
-The weight it stands for is q * scale, computed exactly in fp32 (see rtn.dequantize). Its forward, in order of
-preference:
+The weight it stands for is q * scale, computed exactly in fp32 (see rtn.dequantize). With act_bits 8 (W4A8) the
+input is rounded to int8 per group first and the matmul is quant.act8's, natively or in torch (bit for bit the
+same). Its forward otherwise, in order of preference:
 - CPU, when the native int4/int8 matmul is built (`native.qlinear`, kernels/qgemm.c): the values are packed once
   with `native.qpack` and every call reads them directly;
 - CPU otherwise: the weight is dequantized once (lazily, kept per dtype) into the activation dtype and run through
@@ -21,6 +22,7 @@ from torch import nn
 
 from verispec.kernels import native
 from verispec.model.packing import PackedWeight, linear, pack
+from verispec.quant.act8 import w4a8_linear
 from verispec.quant.rtn import dequantize
 
 
@@ -31,6 +33,7 @@ class QuantLinear(nn.Module):
         scales: torch.Tensor,  # [out, in / group_size] fp32 or bf16
         bits: int,
         bias: torch.Tensor | None = None,  # [out]
+        act_bits: int = 16,  # 8: the input rounded to int8 per group (int4 weights: W4A8)
     ) -> None:
         super().__init__()
         out_features, in_features = qweight.shape
@@ -38,7 +41,7 @@ class QuantLinear(nn.Module):
                 or in_features % scales.shape[1]:
             raise ValueError(f"QuantLinear: qweight {tuple(qweight.shape)} {qweight.dtype} and scales "
                              f"{tuple(scales.shape)} do not fit")
-        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.in_features, self.out_features, self.bits, self.act_bits = in_features, out_features, bits, act_bits
         self.group_size = in_features // scales.shape[1]
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
@@ -52,10 +55,11 @@ class QuantLinear(nn.Module):
         fuse_linears: the parts' buffers become views of the fused one's, so no memory is added."""
         first = parts[0]
         if any(p.bits != first.bits or p.group_size != first.group_size or p.in_features != first.in_features
-               or (p.bias is None) != (first.bias is None) for p in parts):
-            raise ValueError("QuantLinear.concat: the parts differ in bits, group size, input size or bias")
+               or p.act_bits != first.act_bits or (p.bias is None) != (first.bias is None) for p in parts):
+            raise ValueError("QuantLinear.concat: the parts differ in bits, group size, input size, activations or "
+                             "bias")
         fused = cls(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), first.bits,
-                    None if first.bias is None else torch.cat([p.bias for p in parts]))
+                    None if first.bias is None else torch.cat([p.bias for p in parts]), first.act_bits)
         row = 0
         for p in parts:
             n = p.out_features
@@ -86,7 +90,7 @@ class QuantLinear(nn.Module):
         native forward (model.fused) describes the same pack to decoder.c."""
         if self._qpacked is None:
             self._qpacked = native.qpack(self.qweight.contiguous(), self.scales.float().contiguous(),
-                                         self.group_size, self.bits)
+                                         self.group_size, self.bits, self.act_bits)
         return self._qpacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -94,6 +98,8 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.float().contiguous()
             y = native.qlinear(x.reshape(-1, self.in_features).contiguous(), self.qpacked(), bias, x.dtype)
             return y.view(*x.shape[:-1], self.out_features)
+        if self.act_bits == 8:
+            return w4a8_linear(x, self.qweight, self.scales, self.bias)
         self.dense(x.dtype)
         w, packed = self._dense[(x.dtype, self.qweight.device)]
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -103,4 +109,5 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"act_bits={self.act_bits}, "
                 f"group_size={self.group_size}")

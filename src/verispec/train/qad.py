@@ -73,7 +73,9 @@ class QADConfig:
             raise ConfigError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
         if min(self.seq_len, self.batch_size, self.max_steps, self.eval_every, self.eval_windows) < 1:
             raise ConfigError("seq_len, batch_size, max_steps, eval_every and eval_windows must be >= 1")
-        QuantScheme.named(self.scheme, self.group_size)  # an unknown scheme or group size fails here
+        if QuantScheme.named(self.scheme, self.group_size).act_bits != 16:  # an unknown scheme fails here too
+            raise ConfigError(f"qad trains weight-only schemes (w4a16, w8a16), not {self.scheme}: its student "
+                              "does not round its activations")
 
     @property
     def quant_scheme(self) -> QuantScheme:
