@@ -1,5 +1,6 @@
 """Weight-only int8 / int4 matmuls on the CPU, side by side: verispec's qgemm.c (native.qlinear) against PyTorch's
-CPU kernels (aten._weight_int8pack_mm, per channel; aten._weight_int4pack_mm_for_cpu, group-wise) and verispec's
+CPU kernels (aten._weight_int8pack_mm, per channel; aten._weight_int4pack_mm_for_cpu, group-wise), its W4A8 path
+(the same int4 weights, the input rounded to int8 per group: `ours w4a8`) and verispec's
 bf16 gemm (native.linear on a bf16 pack), on the zoo target's matmul shapes at decode/verify row counts, bf16
 activations. Each shape runs over one weight per decoder layer (as a forward reads them: not one hot copy), and
 "forward" is all of a forward's layer matmuls; µs are per matmul (per forward for "forward"), the median and the
@@ -49,6 +50,8 @@ def arms(n: int, k: int, seed: int) -> dict[str, tuple[object, int]]:
         s4 = torch.rand(n, k // group, generator=g) / 8
         p4 = native.qpack(q4, s4, group, 4)
         out[f"ours int4 g{group}"] = (lambda x, p=p4: native.qlinear(x, p), p4.nbytes)
+        a8 = native.qpack(q4, s4, group, 4, act_bits=8)  # the same weights, the input rounded to int8 (W4A8)
+        out[f"ours w4a8 g{group}"] = (lambda x, p=a8: native.qlinear(x, p), a8.nbytes)
         w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q4.int() + 8).contiguous(), 2)
         sz = torch.stack([s4.T, torch.zeros_like(s4.T)], -1).to(BF16).contiguous()  # [K / group, N, 2]
         out[f"torch int4 g{group}"] = (lambda x, w=w4, s=sz, gr=group: torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -62,9 +62,10 @@ COPIES = {
     "w4a16-head8": QuantizeConfig(scheme="w4a16", group_size=32, lm_head="w8a16"),
     # w4a16-head's weights, every input rounded to int8 per group at run time: the integer matmul (vpdpbusd)
     "w4a8-head": QuantizeConfig(scheme="w4a8", group_size=32, lm_head="w4a8"),
+    "w4a8-head8": QuantizeConfig(scheme="w4a8", group_size=32, lm_head="w8a16"),  # an int8, weight-only head
 }
 SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")  # the default speed targets; --targets takes any copy
-INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8", "w4a8-head")  # the int4 configurations of goals (2) and (3)
+INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8", "w4a8-head", "w4a8-head8")  # the int4 configurations of goals (2) and (3)
 DRAFT_SOURCES = {"model": ROOT / "zoo/drafter", "dspark": ROOT / "zoo/dspark"}
 INT4 = "-int4"  # a drafter arm on the int4 copy of its checkpoint
 # A drafter arm under the dspark policy (each round's draft cut where one more verified row stops paying, by the
@@ -532,7 +533,7 @@ def quality_section(res: dict) -> list[str]:
           "since the bf16 head is 8 of the w4a16 copy's 20.6 MB and a one-token step reads all of them. "
           "w4a8-head: w4a16-head's weights with every matmul input rounded to int8 per group of the weights at run "
           "time (W4A8, `verispec quantize --scheme w4a8`: integer products through vpdpbusd; not weight-only, so "
-          "not a candidate for goal 2). "
+          "not a candidate for goal 2); w4a8-head8: its LM head int8 per channel, weight-only, as w4a16-head8's. "
           "Quantization times are wall seconds when the cached copy was made (2 threads; other jobs may have "
           "shared the CPU then)."]
     copies = res.get("drafter_copies") or {}

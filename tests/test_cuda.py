@@ -115,7 +115,7 @@ def test_engine_batches_every_drafter_exactly(dirs, policy):
         assert got == plain, name
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w8a16"])
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16", "w4a8"])
 def test_quantized_target_is_exact_with_respect_to_itself(dirs, scheme, tmp_path):
     qdir = tmp_path / scheme
     quantize_checkpoint(dirs / "target", qdir, QuantizeConfig(scheme=scheme, group_size=32), progress=False)
