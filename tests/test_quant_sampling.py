@@ -23,7 +23,8 @@ from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
 # target's (x1, x2) joint by TV 0.10, twice what N_BIG runs resolve, while every pair stays likely (the negative
 # control needs the two distributions apart; at int8 they are 0.01 apart and no affordable run tells them apart).
 CFG = {"vocab_size": SV, "max_position_embeddings": 16, "num_hidden_layers": 1}
-SCHEMES = {"w4a16-g64": QuantizeConfig(scheme="w4a16", group_size=64), "w8a16": QuantizeConfig(scheme="w8a16")}
+SCHEMES = {"w4a16-g64": QuantizeConfig(scheme="w4a16", group_size=64), "w8a16": QuantizeConfig(scheme="w8a16"),
+           "w4a8-g64": QuantizeConfig(scheme="w4a8", group_size=64)}  # int8 activations: the same contract
 N_BIG = 12_000  # TV limit 2 sqrt(64 / (2 pi N)) = 0.058
 
 
