@@ -55,7 +55,6 @@ def main() -> None:
         drafter.start(0, ids)
         drafter.observe(0, 0, {k: v[0] for k, v in hidden.items()})
         ctx_cache = drafter._context(0)
-        seen, first = ctx_cache.length, drafter._ctx_start[0]  # the drafter's window of the context
         request = [DraftRequest(0, ids, g, SamplingParams(), None)]
         after = [DraftRequest(0, ids + ids[-5:], g, SamplingParams(), None)]  # the anchor five positions later
         anchor, anchor_pos = torch.tensor([ids[-1]]), torch.tensor([width])
@@ -64,6 +63,8 @@ def main() -> None:
             return model.block_hidden(target.model.embed_tokens, anchor, anchor_pos, ctx_cache)
 
         h = block()
+        drafter.propose(request)  # the observed rows reach the context cache at the first proposal: read it after
+        seen, first = ctx_cache.length, drafter._ctx_start[0]  # the drafter's window of the context
         rows = {k: v[0, :5] for k, v in hidden.items()}  # an anchor and four accepted drafts
 
         def append():  # on its own, as observe and batched proposals do
