@@ -63,9 +63,16 @@ COPIES = {
     # w4a16-head's weights, every input rounded to int8 per group at run time: the integer matmul (vpdpbusd)
     "w4a8-head": QuantizeConfig(scheme="w4a8", group_size=32, lm_head="w4a8"),
     "w4a8-head8": QuantizeConfig(scheme="w4a8", group_size=32, lm_head="w8a16"),  # an int8, weight-only head
+    "w4a16-gptq-head8": QuantizeConfig(scheme="w4a16", group_size=32, method="gptq", calib_samples=32, calib_len=512,
+                                       lm_head="w8a16"),
+    # GPTQ's grid (w4a16-gptq's calibration), int8 activations and the int8 head: the quality-first W4A8 copy
+    "w4a8-gptq-head8": QuantizeConfig(scheme="w4a8", group_size=32, method="gptq", calib_samples=32, calib_len=512,
+                                      lm_head="w8a16"),
 }
 SPEED_TARGETS = ("bf16", "w8a16", "w4a16", "w4a16-head")  # the default speed targets; --targets takes any copy
-INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8", "w4a8-head", "w4a8-head8")  # the int4 configurations of goals (2) and (3)
+# the int4 configurations of goals (2) and (3)
+INT4_TARGETS = ("w4a16", "w4a16-gptq", "w4a16-head", "w4a16-head8", "w4a16-gptq-head8", "w4a8-head", "w4a8-head8",
+                "w4a8-gptq-head8")
 DRAFT_SOURCES = {"model": ROOT / "zoo/drafter", "dspark": ROOT / "zoo/dspark"}
 INT4 = "-int4"  # a drafter arm on the int4 copy of its checkpoint
 # A drafter arm under the dspark policy (each round's draft cut where one more verified row stops paying, by the
