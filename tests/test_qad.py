@@ -146,3 +146,9 @@ def test_cli_trains_and_bad_init_is_one_error_line(dense_dir, rtn_dir, data_dir,
         build_student(rtn_dir, replace(CFG, group_size=64).quant_scheme)
     with pytest.raises(CheckpointError):
         build_student(tmp_path / "missing", CFG.quant_scheme)
+
+
+def test_qad_refuses_int8_activation_schemes():
+    """QAD's student rounds its weights only: training it for a w4a8 target would distil a different model."""
+    with pytest.raises(ConfigError, match="weight-only"):
+        QADConfig(scheme="w4a8")
