@@ -224,6 +224,14 @@ def test_server_serves_a_quantized_checkpoint(quant_dir, tokenizer, tmp_path):
 
 
 NAME = "model.layers.1.mlp.down_proj"
+
+
+def _w8a8(group: dict) -> None:
+    """int8 weights with int8 activations in the weights' groups: a well-formed config verispec does not compute."""
+    group["weights"] = {**group["weights"], "num_bits": 8}
+    group["input_activations"] = {"num_bits": 8, "type": "int", "dynamic": True, "strategy": "group",
+                                  "group_size": group["weights"]["group_size"]}
+
 CASES = {
     "method": (lambda c, s: c["quantization_config"].update(quant_method="gptq"), "quant_method"),
     "format": (lambda c, s: c["quantization_config"].update(format="marlin-24") or
@@ -245,11 +253,8 @@ CASES = {
         "num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}), "strategy 'token'"),
     "act_bits": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"].update(input_activations={
         "num_bits": 4, "type": "int", "dynamic": True, "strategy": "group", "group_size": 32}), "int8 only"),
-    "act_int8_weights": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"].update(
-        weights={**c["quantization_config"]["config_groups"]["group_0"]["weights"], "num_bits": 8},
-        input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "group",
-                           "group_size": c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]}),
-        "w8a8 is unsupported"),
+    "act_int8_weights": (lambda c, s: _w8a8(c["quantization_config"]["config_groups"]["group_0"]),
+                         "w8a8 is unsupported"),
     "outputs": (lambda c, s: c["quantization_config"]["config_groups"]["group_0"].update(
         output_activations={"num_bits": 8}), "output_activations"),
 }

@@ -1,5 +1,6 @@
 /* Which of the kernels' instruction sets this CPU and its OS run, built without any ISA flags so that calling it is
- * safe everywhere. Bits: 0 AVX2, 1 FMA, 2 AVX-512F, 3 AVX-512BW, 4 AVX-512VL, 5 AVX-512DQ, 6 AVX-512 BF16, 7 AVX-512 VNNI. */
+ * safe everywhere. Bits: 0 AVX2, 1 FMA, 2 AVX-512F, 3 AVX-512BW, 4 AVX-512VL, 5 AVX-512DQ, 6 AVX-512 BF16,
+ * 7 AVX-512 VNNI. */
 int vs_cpu_features(void) {
     __builtin_cpu_init();
     int bits = 0;

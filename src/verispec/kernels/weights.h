@@ -17,7 +17,7 @@ typedef int (*vs_qlinear_fn)(const void *x, int in_bf16, int64_t M, int64_t K, i
 typedef struct {
     const void *data; /* packed weight: gemm.c's (bits 0) or qgemm.c's */
     int32_t bf16;     /* dense: bf16 (else fp32) weights */
-    int32_t bits;     /* 0: dense; 4 or 8: weight-only int, `group` inputs per scale */
+    int32_t bits;     /* 0: dense; 4 or 8: int weights, `group` inputs per scale */
     int64_t group;
     int32_t act_bits; /* quantized: 16 (x as it is) or 8 (x rounded to int8 per group: W4A8) */
 } vs_weight;
@@ -27,7 +27,8 @@ typedef struct {
 static inline int weight_matmul_to(const vs_weight *w, vs_qlinear_fn qlin, const void *x, int in_bf16, int64_t M,
                                    int64_t K, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     if (!w->bits) return vs_linear(x, in_bf16, M, K, K, w->data, w->bf16, bias, N, y, out_bf16, threads);
-    return qlin ? qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, w->act_bits, bias, N, y, out_bf16, threads) : -2;
+    if (!qlin) return -2;
+    return qlin(x, in_bf16, M, K, K, w->data, w->bits, w->group, w->act_bits, bias, N, y, out_bf16, threads);
 }
 
 /* weight_matmul_to with fp32 y */
