@@ -37,8 +37,10 @@ def prompts() -> list[str]:
     return [r["prompt"][-600:] for task in ("code_completion", "code_continuation") for r in load_task(task)]
 
 
-def start(arm: str, port: int, threads: int, slots: int) -> tuple[subprocess.Popen, str]:
-    """The arm's server process and the model name its requests use."""
+def start(arm: str, port: int, threads: int, slots: int, prefix_cache_mb: int | None = None,
+          ) -> tuple[subprocess.Popen, str]:
+    """The arm's server process and the model name its requests use (prefix_cache_mb: verispec's prefix cache, None
+    for the server's default)."""
     if arm == "llama-server":
         from verispec.bench.llamacpp import build_dir, gguf_file
 
@@ -53,6 +55,8 @@ def start(arm: str, port: int, threads: int, slots: int) -> tuple[subprocess.Pop
                "--max-running", str(slots)]
         cmd += (["--drafter", "none"] if arm == "verispec plain" else
                 ["--drafter", f"dspark:{DSPARK}", "--policy", "dspark", "--k", "8"])
+        if prefix_cache_mb is not None:
+            cmd += ["--prefix-cache-mb", str(prefix_cache_mb)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with httpx.Client(timeout=5) as cl:
         for _ in range(1200):
@@ -158,6 +162,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64, help="requests per arm and load (at least 2 per client)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix-cache-mb", type=int, default=None,
+                    help="verispec's prefix cache (0: off, as the library reference has none; default: the server's)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -166,7 +172,8 @@ def main() -> None:
     ports = {arm: 8700 + i for i, arm in enumerate(arms)}
     # verispec's servers run throughout; llama-server is started per load with one slot per client (its KV cache
     # is split over its slots, and spare slots cost it: -np 64 ran 8 clients at two thirds the speed of -np 8).
-    servers = {arm: start(arm, ports[arm], args.threads, max(clients)) for arm in arms if arm != "llama-server"}
+    servers = {arm: start(arm, ports[arm], args.threads, max(clients), args.prefix_cache_mb)
+               for arm in arms if arm != "llama-server"}
     rows = []
 
     def run(arm: str, c: int, rep: int) -> None:
@@ -221,7 +228,8 @@ def main() -> None:
     out = ["# verispec serve vs llama-server, closed loop over HTTP", "",
            f"Machine: {model}, {args.threads} threads, flags `{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}`;"
            f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
-           f"--max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}`.", "",
+           f"--arms '{args.arms}' --max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}"
+           + ("" if args.prefix_cache_mb is None else f" --prefix-cache-mb {args.prefix_cache_mb}") + "`.", "",
            *_library(lib), *_one_client(rows, lib), "",
            "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
            "|---|" + "---|---|" * len(arms)]
