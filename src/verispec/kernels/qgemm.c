@@ -422,8 +422,9 @@ static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups,
  * then + bias, then the store: the same operations, in the same order, as quant.act8's torch reference, so the
  * native and torch results are bit-identical. vpdpbusd retires 64 multiply-adds an instruction against
  * vdpbf16ps's 32, at the same rate on a Zen 4 (~3.6 G a core, either): the 32 matmuls of a zoo/target forward ran
- * 1.6x faster than W4A16's at 16-256 rows, 1.15x at 9 (groups of 128; of 32, 1.35x and 1.04x: the per-group
- * epilogue weighs 4x more), where one-row steps read the same bytes.
+ * 1.6-1.75x faster than W4A16's at 16-256 rows and 1.14x at 9 in groups of 128, 1.36-1.47x and 0.98x in groups of
+ * 32, where the per-group epilogue weighs 4x more (scripts/qgemm_cost.py, reports/quant/zen4-w4a8-short/); one-row
+ * steps read the same bytes either way.
  * An int4 stream's 8-input step holds, per column, nibbles of inputs 0, 2, 4, 6, 1, 3, 5, 7 from bit 0 up: its
  * low nibbles are the bytes of inputs (0, 4, 1, 5), its high ones (2, 6, 3, 7), so x is laid out as those bytes. */
 #if VW == 16
@@ -449,8 +450,8 @@ static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups,
 static inline __attribute__((always_inline)) void tile_a8(const int R, const int NV, const int32_t *x,
                                                           const float *xs, const int32_t *xc, int64_t G8,
                                                           int64_t groups, const char *w, int64_t bstride,
-                                                          int64_t sxo, const float *bias, void *y, int64_t N,
-                                                          int out_bf16, int64_t n0) {
+                                                          const float *bias, void *y, int64_t N, int out_bf16,
+                                                          int64_t n0) {
     const int64_t gbytes = G8 * 4 * BLOCK + SCALE_BYTES; /* an 8-input step is 4 bytes a column */
     const vi x88 = vset1i((int)0x88888888u), m0f = vset1i(0x0F0F0F0F), ones = vset1i(0x00010001);
     (void)ones; /* vpmaddwd's pair sums (no VNNI) */
@@ -483,7 +484,7 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
             }
         }
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
-            const char *sv = wg + (v / VPB) * bstride + G8 * 4 * BLOCK + (v % VPB) * VW * 4 + sxo;
+            const char *sv = wg + (v / VPB) * bstride + G8 * 4 * BLOCK + (v % VPB) * VW * 4;
             const vf sc = vloadf((const float *)sv);
             _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
                 const vf f = vcvt(s[m][v]);
@@ -498,14 +499,12 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
 }
 
 typedef void (*a8tile_fn)(const int32_t *x, const float *xs, const int32_t *xc, int64_t G8, int64_t groups,
-                          const char *w, int64_t bstride, int64_t sxo, const float *bias, void *y, int64_t N, int ob,
-                          int64_t n0);
+                          const char *w, int64_t bstride, const float *bias, void *y, int64_t N, int ob, int64_t n0);
 #define INST_A8(R, NV)                                                                                             \
     static __attribute__((noinline)) void a8_##R##_##NV(const int32_t *x, const float *xs, const int32_t *xc,     \
                                                         int64_t G8, int64_t groups, const char *w, int64_t bstride, \
-                                                        int64_t sxo, const float *bias, void *y, int64_t N, int ob, \
-                                                        int64_t n0) {                                             \
-        tile_a8(R, NV, x, xs, xc, G8, groups, w, bstride, sxo, bias, y, N, ob, n0);                               \
+                                                        const float *bias, void *y, int64_t N, int ob, int64_t n0) { \
+        tile_a8(R, NV, x, xs, xc, G8, groups, w, bstride, bias, y, N, ob, n0);                                    \
     }
 /* Tile shapes: GCC keeps at most ~18 int32 sums in registers here (a 6 x 4 or 10 x 2 tile spilled and ran at
  * 70% of a 4 x 4's 3.3 G vpdpbusd/s a core, Zen 4). AVX-512: up to 4 rows x 4 vectors, 5-9 rows x 2 (a verify of
@@ -642,7 +641,7 @@ static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const 
         return -1;
     }
     const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
-    const int64_t bstride = groups * (G8 * 4 * BLOCK + SCALE_BYTES), sxo = 0; /* units start on whole blocks */
+    const int64_t bstride = groups * (G8 * 4 * BLOCK + SCALE_BYTES); /* units start on whole blocks */
     const size_t yelt = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
@@ -651,7 +650,7 @@ static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const 
         for (int64_t m0 = 0; m0 < M; m0 += mr) {
             const int rows = (int)(M - m0 < mr ? M - m0 : mr);
             a8_table[rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb, bstride,
-                                   sxo, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+                                   bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
         }
     }
     free(xq), free(xs), free(xc);
