@@ -94,7 +94,17 @@ static void residual(float *x, const float *h, int64_t n, int bf16) {
 /* RoPE on one head in place: x * cos + [x2, x1] * sin, each product and the sum rounded as the torch path. */
 static void rope(float *x, const float *cos, const float *sin, int64_t D, int bf16) {
     const int64_t h = D / 2;
-    for (int64_t i = 0; i < h; i++) {
+    int64_t i = 0;
+    for (; i + 8 <= h; i += 8) { /* the scalar tail's operations, 8 lanes at a time: the same values */
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + h);
+        const __m256 c0 = act8(bf16, _mm256_loadu_ps(cos + i)), s0 = act8(bf16, _mm256_loadu_ps(sin + i));
+        const __m256 c1 = act8(bf16, _mm256_loadu_ps(cos + i + h)), s1 = act8(bf16, _mm256_loadu_ps(sin + i + h));
+        _mm256_storeu_ps(x + i, act8(bf16, _mm256_add_ps(act8(bf16, _mm256_mul_ps(a, c0)),
+                                                         act8(bf16, _mm256_mul_ps(b, s0)))));
+        _mm256_storeu_ps(x + i + h, act8(bf16, _mm256_add_ps(act8(bf16, _mm256_mul_ps(b, c1)),
+                                                             act8(bf16, _mm256_mul_ps(a, s1)))));
+    }
+    for (; i < h; i++) {
         const float a = x[i], b = x[i + h];
         x[i] = act(bf16, act(bf16, a * act(bf16, cos[i])) + act(bf16, b * act(bf16, sin[i])));
         x[i + h] = act(bf16, act(bf16, b * act(bf16, cos[i + h])) + act(bf16, a * act(bf16, sin[i + h])));
