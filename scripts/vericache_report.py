@@ -1,6 +1,8 @@
 """Issue 23's report: VeriCache on the zoo target over the long-context prompts, written to reports/vericache/.
 
     python scripts/vericache_report.py --prompts 4 --repeats 3 --out reports/vericache
+    bash scripts/target_2k.sh && python scripts/vericache_report.py --target data/target-2k --repeats 2 \
+        --out reports/vericache/target-2k   # the 2,048-window stage
 
 1. Step costs against context length (the speed model's inputs): a forward of 1..33 rows after 64..1,900 cached
    positions, for the bf16 target and its int4 (w4a16 g32 RTN) copy, medians of 31 (row counts interleaved).
@@ -41,7 +43,8 @@ BUDGETS = (64, 128, 256, 512)
 
 
 def int4_copy(cache: Path) -> Path:
-    out = cache / "w4a16-g32"
+    """The target's w4a16 g32 RTN copy (made once): the zoo target's under its old name, another's by its own."""
+    out = cache / ("w4a16-g32" if TARGET == ROOT / "zoo/target" else f"{TARGET.name}-w4a16-g32")
     if not (out / "quantization.json").is_file():
         quantize_checkpoint(TARGET, out, QuantizeConfig(scheme="w4a16", group_size=32), progress=False)
     return out
@@ -171,10 +174,12 @@ def summarize(rows_acc, rows_speed, costs, specs, args, margins=(), positions=()
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
     isa = " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    out = ["# VeriCache on the zoo target (issue 23)", "",
+    target = TARGET.relative_to(ROOT) if TARGET.is_relative_to(ROOT) else TARGET
+    out_dir = args.out.resolve().relative_to(ROOT) if args.out.resolve().is_relative_to(ROOT) else args.out
+    out = [f"# VeriCache on {target} (issue 23)", "",
            f"Machine: {model}, {torch.get_num_threads()} threads, flags `{isa}`; torch {torch.__version__}, "
-           f"Python {platform.python_version()}. Command: `python scripts/vericache_report.py --prompts "
-           f"{args.prompts} --repeats {args.repeats} --max-tokens {args.max_tokens} --out {args.out}`.", ""]
+           f"Python {platform.python_version()}. Command: `python scripts/vericache_report.py --target {target} "
+           f"--prompts {args.prompts} --repeats {args.repeats} --max-tokens {args.max_tokens} --out {out_dir}`.", ""]
     out += ["## Step costs against context length (ms, one forward of R rows after C cached positions)", "",
             "| weights | C | " + " | ".join(f"R={r}" for r in (1, 2, 4, 8, 9, 17, 33)) + " |",
             "|---|---|" + "---|" * 7]
@@ -279,16 +284,20 @@ def plots(rows_acc, costs, out: Path) -> None:
 
 
 def main() -> None:
+    global TARGET  # step_costs, int4_copy and the summary read it
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per length bucket")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", type=Path, default=TARGET,
+                    help="the target and the drafting weights' source (data/target-2k: scripts/target_2k.sh)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/vericache")
     ap.add_argument("--skip", default="",
                     help="comma-separated sections to skip (their rows from the last run's raw.json are kept): "
                          "costs, acceptance, margins, positions, speed")
     args = ap.parse_args()
+    TARGET = args.target.resolve()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
