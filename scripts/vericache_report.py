@@ -42,21 +42,21 @@ COMPRESSORS = ("streaming", "snapkv", "retrieval", "snapkv+kivi")
 BUDGETS = (64, 128, 256, 512)
 
 
-def int4_copy(cache: Path) -> Path:
+def int4_copy(target: Path, cache: Path) -> Path:
     """The target's w4a16 g32 RTN copy (made once): the zoo target's under its old name, another's by its own."""
-    out = cache / ("w4a16-g32" if TARGET == ROOT / "zoo/target" else f"{TARGET.name}-w4a16-g32")
+    out = cache / ("w4a16-g32" if target == TARGET else f"{target.name}-w4a16-g32")
     if not (out / "quantization.json").is_file():
-        quantize_checkpoint(TARGET, out, QuantizeConfig(scheme="w4a16", group_size=32), progress=False)
+        quantize_checkpoint(target, out, QuantizeConfig(scheme="w4a16", group_size=32), progress=False)
     return out
 
 
-def step_costs(int4: Path) -> dict:
+def step_costs(target: Path, int4: Path) -> dict:
     """Median of 31 forwards per cell; the row counts are interleaved within each repeat so that a slow spell of
     the host spreads over every cell of a context instead of landing on one."""
     toks = torch.randint(3, 8000, (1, 2048), generator=torch.Generator().manual_seed(0))
     rows_swept = (1, 2, 4, 8, 9, 17, 33)
     out = {}
-    for name, path in (("bf16", TARGET), ("w4a16", int4)):
+    for name, path in (("bf16", target), ("w4a16", int4)):
         m = load_model(path, dtype="bf16")
         for ctx in (64, 256, 512, 1000, 1500, 1900):
             c = KVCache.for_model(m, 2048)
@@ -174,7 +174,8 @@ def summarize(rows_acc, rows_speed, costs, specs, args, margins=(), positions=()
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
     isa = " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    target = TARGET.relative_to(ROOT) if TARGET.is_relative_to(ROOT) else TARGET
+    tdir = args.target.resolve()
+    target = tdir.relative_to(ROOT) if tdir.is_relative_to(ROOT) else tdir
     out_dir = args.out.resolve().relative_to(ROOT) if args.out.resolve().is_relative_to(ROOT) else args.out
     out = [f"# VeriCache on {target} (issue 23)", "",
            f"Machine: {model}, {torch.get_num_threads()} threads, flags `{isa}`; torch {torch.__version__}, "
@@ -284,7 +285,6 @@ def plots(rows_acc, costs, out: Path) -> None:
 
 
 def main() -> None:
-    global TARGET  # step_costs, int4_copy and the summary read it
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per length bucket")
     ap.add_argument("--repeats", type=int, default=3)
@@ -297,21 +297,21 @@ def main() -> None:
                     help="comma-separated sections to skip (their rows from the last run's raw.json are kept): "
                          "costs, acceptance, margins, positions, speed")
     args = ap.parse_args()
-    TARGET = args.target.resolve()
+    tdir = args.target.resolve()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
-    int4 = int4_copy(ROOT / ".cache/quant")
-    tok = Tokenizer.from_dir(TARGET)
+    int4 = int4_copy(tdir, ROOT / ".cache/quant")
+    tok = Tokenizer.from_dir(tdir)
     prompts = []
     for bucket in (1000, 1500, 1900):
         for rec in [r for r in load_task("long_context") if r["length_bucket"] == bucket][: args.prompts]:
             prompts.append({**rec, "ids": tok.encode(rec["prompt"])})
-    target = load_model(TARGET, dtype="bf16")
+    target = load_model(tdir, dtype="bf16")
     raw = args.out / "raw.json"
     data = json.loads(raw.read_text()) if raw.is_file() else {}
     if "costs" not in skip:
-        data["costs"] = step_costs(int4)
+        data["costs"] = step_costs(tdir, int4)
     if "acceptance" not in skip:
         data["acceptance"] = acceptance(target, prompts, int4, args.max_tokens)
     if "margins" not in skip:

@@ -603,8 +603,8 @@ static float quantize_group8(const void *src, int in_bf16, int64_t n, float *v, 
 
 /* x's rows as int8 per group (see the W4A8 note); 0, or -1 if out of memory: xq in chunks of mr rows (a chunk at
  * m0 starts at m0 * K8 * 2 int32, K8 = groups * G8 steps; inside, [group][step][row][2]), xs [M][groups] scales,
- * xc [M][groups] 8 * sum(q). The (row, group) pairs split over threads once there are enough inputs to pay for
- * the fork (a verify step's 9 rows of 512: profiled serial, this was 11% of a W4A8 forward's time). */
+ * xc [M][groups] 8 * sum(q). The (row, group) pairs split over threads from 32 rows (a prefill's); a verify step's
+ * 4-9 rows stay on one thread (split, its forward ran 8-12% slower: the fork costs more than the rounding). */
 static int quantize_x8(const void *x, int in_bf16, int64_t M, int64_t ldx, int64_t group, int64_t groups,
                        int64_t G8, int64_t mr, int32_t *xq, float *xs, int32_t *xc, int threads) {
     const int64_t K8 = groups * G8, units = M * groups;
