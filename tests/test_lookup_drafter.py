@@ -12,11 +12,40 @@ from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair
 from verispec.config import EngineConfig, SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters import BlockDrafter, LookupFirstDrafter, ModelDrafter, build_drafter
+from verispec.drafters.ngram import SuffixIndex, lookup
 from verispec.engine import Engine
 from verispec.errors import ConfigError
 
 # Repeats, so that suffix matches exist in some rounds and not in others.
 LOOPY = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 13]
+
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 3), (2, 4), (3, 3)])
+def test_suffix_index_drafts_what_the_scan_drafts(min_n, max_n):
+    """The incremental index against the stateless scan, after every change a sequence goes through: growth by a
+    few tokens, a cut back (a nested round rejected), a changed tail, a shorter restart; small vocabularies so that
+    n-grams repeat, budgets from 1 to 9."""
+    rng = np.random.default_rng(min_n * 10 + max_n)
+    index = SuffixIndex(max_n, min_n)
+    tokens: list[int] = []
+    for step in range(600):
+        op = rng.integers(0, 10)
+        if op < 6 or len(tokens) < 4:  # grow
+            tokens = tokens + rng.integers(0, 5, rng.integers(1, 5)).tolist()
+        elif op < 8:  # cut back
+            tokens = tokens[: rng.integers(1, len(tokens))]
+        elif op < 9:  # change a token inside (the whole sequence differs from there)
+            tokens = list(tokens)
+            tokens[rng.integers(0, len(tokens))] = int(rng.integers(0, 5))
+        else:
+            tokens = tokens[: rng.integers(1, 4)]
+        index.sync(tokens)
+        assert index.tokens == tokens
+        for k in (1, 3, 9):
+            assert index.lookup(k) == lookup(np.asarray(tokens, dtype=np.int64), max_n, min_n, k), (step, k)
+    index.truncate(0)
+    assert index.tokens == [] and index.starts == {}
 
 
 @pytest.mark.parametrize("min_n", [1, 2, 3])

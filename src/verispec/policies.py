@@ -22,8 +22,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import torch
-
 from verispec.drafters.base import Draft
 
 
@@ -105,12 +103,13 @@ class AcceptanceEstimator:
     def __init__(self, max_k: int, prior: float = 0.5, strength: float = 4.0) -> None:
         self.max_k = max(max_k, 1)
         self.prior, self.strength = prior, strength
-        self._global: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # drafter -> (reached, accepted) [k]
-        self._local: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> same
+        # host lists, not tensors: a round's update and estimate are a few dozen additions (tensors cost ~35 us)
+        self._global: dict[str, tuple[list[float], list[float]]] = {}  # drafter -> (reached, accepted) [k]
+        self._local: dict[str, tuple[list[float], list[float]]] = {}  # request id -> same
 
-    def _counts(self, table: dict, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _counts(self, table: dict, key: str) -> tuple[list[float], list[float]]:
         if key not in table:
-            table[key] = (torch.zeros(self.max_k, dtype=torch.float64), torch.zeros(self.max_k, dtype=torch.float64))
+            table[key] = ([0.0] * self.max_k, [0.0] * self.max_k)
         return table[key]
 
     def update(self, drafter: str, request_id: str, num_draft: int, num_accepted: int) -> None:
@@ -118,16 +117,18 @@ class AcceptanceEstimator:
         reached_to = min(num_accepted + 1, num_draft, self.max_k)
         passed_to = min(num_accepted, self.max_k)
         for reached, accepted in (self._counts(self._global, drafter), self._counts(self._local, request_id)):
-            reached[:reached_to] += 1
-            accepted[:passed_to] += 1
+            for j in range(reached_to):
+                reached[j] += 1.0
+            for j in range(passed_to):
+                accepted[j] += 1.0
 
     def conditional(self, drafter: str, request_id: str, k: int) -> list[float]:
         g_reached, g_acc = self._counts(self._global, drafter)
-        g = (g_acc + self.strength * self.prior) / (g_reached + self.strength)
+        pseudo = self.strength * self.prior
+        out = [(a + pseudo) / (r + self.strength) for r, a in zip(g_reached, g_acc)]
         if request_id in self._local:
             r_reached, r_acc = self._local[request_id]
-            g = (r_acc + self.strength * g) / (r_reached + self.strength)
-        out = g.tolist()
+            out = [(a + self.strength * g) / (r + self.strength) for r, a, g in zip(r_reached, r_acc, out)]
         return (out + [out[-1]] * k)[:k]
 
     def forget(self, request_id: str) -> None:

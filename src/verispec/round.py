@@ -114,6 +114,9 @@ def verify_round(
 ) -> Verdict:
     """Verify one request's draft: a chain with its rule (verify.verify_chain; an empty draft is a plain decoding
     step), a tree greedily or by recursive rejection sampling (verify.verify_tree)."""
+    if draft.is_chain and params.greedy:  # verify_chain's greedy rule on host lists: no tensors to build and read back
+        row = greedy_commit_rows([draft.tokens], logits)[0]
+        return Verdict(row, tuple(range(len(row) - 1)))
     if draft.is_chain:
         out = verify_chain(logits, draft.tokens, draft.probs, params, rule, generator)
         return Verdict(out.rows()[0], tuple(range(int(out.num_accepted[0]))))

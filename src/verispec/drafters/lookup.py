@@ -10,13 +10,12 @@ its own state (a block drafter's context, a draft model's cache) stays in sync w
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from verispec.drafters.base import (
     BENCH_SPECS, EMPTY_DRAFT, Draft, Drafter, DraftRequest, Verified, build_drafter, register_drafter,
 )
-from verispec.drafters.ngram import lookup
+from verispec.drafters.ngram import SuffixLookup
 from verispec.errors import ConfigError
 
 
@@ -27,6 +26,7 @@ class LookupFirstDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"lookup sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.inner, self.min_n, self.max_n = inner, min_n, max_n
+        self.suffixes = SuffixLookup(max_n, min_n)
         self.capabilities = inner.capabilities  # its own drafts are chains that need nothing
         self.num_lookup = self.num_inner = 0  # rounds drafted by each (diagnostics)
 
@@ -42,7 +42,7 @@ class LookupFirstDrafter(Drafter):
         for i, r in enumerate(requests):
             if r.budget <= 0:
                 continue
-            found = lookup(np.asarray(r.tokens, dtype=np.int64), self.max_n, self.min_n, r.budget)
+            found = self.suffixes.lookup(r.seq_id, r.tokens, r.budget)
             if found:
                 drafts[i] = Draft.chain(found)
                 self.num_lookup += 1
@@ -58,16 +58,18 @@ class LookupFirstDrafter(Drafter):
         self.inner.accept(result)
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
+        self.suffixes.rollback(seq_id, num_tokens)
         self.inner.rollback(seq_id, num_tokens)
 
     def attach_cache(self, seq_id: int, cache) -> None:
         self.inner.attach_cache(seq_id, cache)
 
     def finish(self, seq_id: int) -> None:
+        self.suffixes.finish(seq_id)
         self.inner.finish(seq_id)
 
     def live_sequences(self) -> set[int]:
-        return self.inner.live_sequences()
+        return self.inner.live_sequences() | set(self.suffixes.index)
 
 
 def _bench_spec(zoo) -> str | None:
