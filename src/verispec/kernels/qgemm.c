@@ -30,6 +30,7 @@
  * by every row of the tile.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -507,21 +508,23 @@ typedef void (*a8tile_fn)(const int32_t *x, const float *xs, const int32_t *xc, 
         tile_a8(R, NV, x, xs, xc, G8, groups, w, bstride, bias, y, N, ob, n0);                                    \
     }
 /* Tile shapes: GCC keeps at most ~18 int32 sums in registers here (a 6 x 4 or 10 x 2 tile spilled and ran at
- * 70% of a 4 x 4's 3.3 G vpdpbusd/s a core, Zen 4). AVX-512: up to 4 rows x 4 vectors, 5-9 rows x 2 (a verify of
- * k = 8 in one tile), past 9 chunks of 8 x 2; AVX2 (16 registers): 4 x 2. */
+ * 70% of a 4 x 4's 3.3 G vpdpbusd/s a core, Zen 4). AVX-512: 1-2 rows x 4 vectors, 3-9 rows x 2 (a verify of
+ * k = 8 in one tile; at 3-4 rows the 4 x 4 tile's sums rotate through registers and spill each step, and the
+ * forward's 32 matmuls ran 4-7% slower than in 2-vector tiles, Zen 4), past 9 chunks of 8 x 2; AVX2 (16
+ * registers): 4 x 2. */
 #if VW == 16
 #define A8_ROWS 9
 #define INST_A8_4(R) INST_A8(R, 1) INST_A8(R, 2) INST_A8(R, 3) INST_A8(R, 4)
 #define INST_A8_2(R) INST_A8(R, 1) INST_A8(R, 2)
 #define A8_4(R) {a8_##R##_1, a8_##R##_2, a8_##R##_3, a8_##R##_4}
 #define A8_2(R) {a8_##R##_1, a8_##R##_2, 0, 0}
-INST_A8_4(1) INST_A8_4(2) INST_A8_4(3) INST_A8_4(4)
-INST_A8_2(5) INST_A8_2(6) INST_A8_2(7) INST_A8_2(8) INST_A8_2(9)
+INST_A8_4(1) INST_A8_4(2)
+INST_A8_2(3) INST_A8_2(4) INST_A8_2(5) INST_A8_2(6) INST_A8_2(7) INST_A8_2(8) INST_A8_2(9)
 static const a8tile_fn a8_table[A8_ROWS + 1][NV_WIDE] = {
-    {0}, A8_4(1), A8_4(2), A8_4(3), A8_4(4), A8_2(5), A8_2(6), A8_2(7), A8_2(8), A8_2(9)};
+    {0}, A8_4(1), A8_4(2), A8_2(3), A8_2(4), A8_2(5), A8_2(6), A8_2(7), A8_2(8), A8_2(9)};
 /* rows per chunk and vectors per unit for M rows */
 #define A8_MR(M) ((M) <= 4 ? 4 : (M) <= 9 ? 9 : 8)
-#define A8_NV(M) ((M) <= 4 ? 4 : 2)
+#define A8_NV(M) ((M) <= 2 ? 4 : 2)
 #else
 #define A8_ROWS 4
 INST_A8(1, 1) INST_A8(1, 2) INST_A8(2, 1) INST_A8(2, 2) INST_A8(3, 1) INST_A8(3, 2) INST_A8(4, 1) INST_A8(4, 2)
