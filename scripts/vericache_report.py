@@ -11,8 +11,10 @@
    the compressed view's memory against the full cache's at the end of each run (greedy: timing-free, so
    `--skip acceptance` keeps the last run's rows).
 3. Speed (bf16 target, greedy, 192 new tokens): plain, the best single drafters (dspark, lookup:dspark, k=8) and
-   vericache alone and composed (k=32, adaptive horizon unless named fixed), arms interleaved per prompt, medians
-   over repeats, end to end (prefill included) and per output token; every output checked against plain.
+   vericache alone and composed (k=32, adaptive horizon unless named fixed; drafting on the target's own weights,
+   its w4a16 copy, or its W4A8 copy with an int8 head), arms interleaved per prompt, medians over repeats, end to
+   end (prefill included) and per output token, and the end-to-end ceiling plain's prefill share sets; every output
+   checked against plain.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ def int4_copy(target: Path, cache: Path) -> Path:
     out = cache / ("w4a16-g32" if target == TARGET else f"{target.name}-w4a16-g32")
     if not (out / "quantization.json").is_file():
         quantize_checkpoint(target, out, QuantizeConfig(scheme="w4a16", group_size=32), progress=False)
+    return out
+
+
+def w4a8_copy(target: Path, cache: Path) -> Path:
+    """The target's W4A8 copy (made once): w4a16 g32's int4 weights with each matmul input rounded to int8 (the
+    int4 x int8 tiles) and the LM head int8 per channel, the cheapest one-row step the kernels have
+    (reports/quant)."""
+    out = cache / f"{target.name}-w4a8-head8-g32"
+    if not (out / "quantization.json").is_file():
+        quantize_checkpoint(target, out, QuantizeConfig(scheme="w4a8", group_size=32, lm_head="w8a16"), progress=False)
     return out
 
 
@@ -140,7 +152,8 @@ def positions(target, prompts, window: int = 256, short: int = 768) -> list[dict
     return rows
 
 
-def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[list[dict], dict]:
+def speed(target, prompts, int4: Path, w4a8: Path, repeats: int, max_tokens: int,
+          only: set[str] | None = None) -> tuple[list[dict], dict]:
     vc = "vericache(compress=snapkv,budget=256"
     arms = {
         "plain": (None, 0),
@@ -151,7 +164,11 @@ def speed(target, prompts, int4: Path, repeats: int, max_tokens: int) -> tuple[l
         "vericache snapkv-256 int4 fixed-8": (vc + f",weights={int4},horizon=fixed)", 8),
         "vericache retrieval-256 int4": (f"vericache(compress=retrieval,budget=256,weights={int4})", 32),
         "vericache snapkv-256 int4 + lookup:dspark": (vc + f",weights={int4},draft=lookup:dspark:{DSPARK})", 32),
+        "vericache snapkv-256 w4a8": (vc + f",weights={w4a8})", 32),
+        "vericache snapkv-256 w4a8 + lookup:dspark": (vc + f",weights={w4a8},draft=lookup:dspark:{DSPARK})", 32),
     }
+    if only:  # plain always: every arm is measured against it
+        arms = {a: v for a, v in arms.items() if a == "plain" or a in only}
     for spec, k in arms.values():  # warm-up: kernel libraries built and loaded, step profiles measured
         run(target, prompts[0]["ids"], spec, k, 8)
     rows = []
@@ -180,7 +197,9 @@ def summarize(rows_acc, rows_speed, costs, specs, args, margins=(), positions=()
     out = [f"# VeriCache on {target} (issue 23)", "",
            f"Machine: {model}, {torch.get_num_threads()} threads, flags `{isa}`; torch {torch.__version__}, "
            f"Python {platform.python_version()}. Command: `python scripts/vericache_report.py --target {target} "
-           f"--prompts {args.prompts} --repeats {args.repeats} --max-tokens {args.max_tokens} --out {out_dir}`.", ""]
+           f"--prompts {args.prompts} --repeats {args.repeats} --max-tokens {args.max_tokens} --out {out_dir}"
+           + (f" --skip {args.skip}" if args.skip else "") + (f" --arms '{args.arms}'" if args.arms else "")
+           + "`" + (" (the skipped sections are the last run's, from raw.json)" if args.skip else "") + ".", ""]
     out += ["## Step costs against context length (ms, one forward of R rows after C cached positions)", "",
             "| weights | C | " + " | ".join(f"R={r}" for r in (1, 2, 4, 8, 9, 17, 33)) + " |",
             "|---|---|" + "---|" * 7]
@@ -238,6 +257,12 @@ def summarize(rows_acc, rows_speed, costs, specs, args, margins=(), positions=()
                 eq = eq and all(r["equal"] for r in rows_speed if r["arm"] == arm and r["prompt"] == pid)
             out.append(f"| {arm} | {bucket} | {statistics.median(e2e):.2f}x | {statistics.median(tok):.2f}x | "
                        f"{statistics.median(taus):.2f} | {'yes' if eq else 'NO'} |")
+    out += ["", "Ceiling: plain decoding's prefill is the same for every arm, so no drafter's end-to-end speedup can "
+            "exceed (plain's time) / (its prefill time) at these lengths (Amdahl):", ""]
+    for bucket in sorted({r["bucket"] for r in rows_speed}):
+        share = statistics.median(r["prefill_s"] / r["e2e_s"] for r in rows_speed
+                                  if r["arm"] == "plain" and r["bucket"] == bucket)
+        out.append(f"- {bucket}: prefill {share:.0%} of plain's time, so at most {1 / share:.2f}x end to end")
     out += ["", "Specs: " + "; ".join(f"`{a}` = `{s}`" for a, s in specs.items() if s).replace(str(ROOT) + "/", "")]
     return "\n".join(out) + "\n"
 
@@ -293,6 +318,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=TARGET,
                     help="the target and the drafting weights' source (data/target-2k: scripts/target_2k.sh)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/vericache")
+    ap.add_argument("--arms", default="", help="comma-separated speed arms to run (plain always; default: all)")
     ap.add_argument("--skip", default="",
                     help="comma-separated sections to skip (their rows from the last run's raw.json are kept): "
                          "costs, acceptance, margins, positions, speed")
@@ -301,7 +327,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
-    int4 = int4_copy(tdir, ROOT / ".cache/quant")
+    int4, w4a8 = int4_copy(tdir, ROOT / ".cache/quant"), w4a8_copy(tdir, ROOT / ".cache/quant")
     tok = Tokenizer.from_dir(tdir)
     prompts = []
     for bucket in (1000, 1500, 1900):
@@ -319,7 +345,8 @@ def main() -> None:
     if "positions" not in skip:
         data["positions"] = positions(target, prompts)
     if "speed" not in skip:
-        data["speed"], data["specs"] = speed(target, prompts, int4, args.repeats, args.max_tokens)
+        data["speed"], data["specs"] = speed(target, prompts, int4, w4a8, args.repeats, args.max_tokens,
+                                             set(filter(None, args.arms.split(","))))
     raw.write_text(json.dumps(data))
     (args.out / "summary.md").write_text(summarize(data["acceptance"], data["speed"], data["costs"], data["specs"], args,
                                                    data.get("margins", ()), data.get("positions", ())))
