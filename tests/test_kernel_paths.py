@@ -93,8 +93,9 @@ def _forwards(model, tokens, split: int):
 @needs_native
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: "-".join(f"{v}" for v in f.values()) or "llama")
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_native_forward_matches_the_torch_path(family, dtype):
-    model = tiny_model(3, **family).to(dtype).pack_weights()
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the zoo target's heads
+def test_native_forward_matches_the_torch_path(family, dtype, head_dim):
+    model = tiny_model(3, head_dim=head_dim, **family).to(dtype).pack_weights()
     assert model.fused is not None
     tokens = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     native_out = _forwards(model, tokens, 21)
@@ -112,8 +113,9 @@ def test_native_forward_matches_the_torch_path(family, dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_native_forward_is_the_same_on_every_path(isa, dtype):
-    model = tiny_model(4, model_type="qwen3").to(dtype).pack_weights()
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+def test_native_forward_is_the_same_on_every_path(isa, dtype, head_dim):
+    model = tiny_model(4, model_type="qwen3", head_dim=head_dim).to(dtype).pack_weights()
     tokens = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(2))
     prefill, verify, steps, _ = _forwards(model, tokens, 17)
     assert torch.equal(verify, steps)
@@ -181,9 +183,10 @@ def test_batched_block_drafter_layers_equal_each_sequence_alone(isa):
 
 @needs_native
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_bf16_greedy_speculation_equals_plain_on_every_path(isa, k):
-    target = tiny_model(2, 0.5).to(BF16).pack_weights()
-    other = tiny_model(5, 0.5).to(BF16).pack_weights()
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_bf16_greedy_speculation_equals_plain_on_every_path(isa, k, head_dim):
+    target = tiny_model(2, 0.5, head_dim=head_dim).to(BF16).pack_weights()
+    other = tiny_model(5, 0.5, head_dim=head_dim).to(BF16).pack_weights()
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompt = [5, 17, 3, 44, 9, 60, 2, 5, 17, 3]
     plain = decode(target, prompt, params).token_ids

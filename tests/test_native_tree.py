@@ -68,10 +68,11 @@ def test_masks_the_kernels_cannot_honour_are_declined():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_a_tree_forward_runs_natively_and_each_node_equals_its_chain(dtype):
+@pytest.mark.parametrize("head_dim", [16, 32])  # 32: several 8-lane blocks a key, as real heads have
+def test_a_tree_forward_runs_natively_and_each_node_equals_its_chain(dtype, head_dim):
     """The decoder's tree rows: every node's logits equal, bit for bit, the last logits of a forward over its path
     after the same cache (and so a one-token step's), and the torch path's to rounding."""
-    model = tiny_model(3).to(dtype).pack_weights()
+    model = tiny_model(3, head_dim=head_dim).to(dtype).pack_weights()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, vocab, (1, 17), generator=g)

@@ -195,7 +195,8 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
     if (tail) /* the same accumulation, continued key by key */
         for (int64_t i = 0; i < nq; i++)
             for (int64_t j = 0; j < m[i]; j++)
-                pv_any(D, p + i * sp + n[i] + j, rows_f32(v, kv16, kss, tail[i][j], 1, D, buf, &st), st, 0, 1, o[i]);
+                pv_any(D, p + i * sp + n[i] + j, rows_f32(v, kv16, kss, tail[i][j], 1, D, buf, &st), D, 0, 1,
+                       o[i]); /* one row: the stride is never read (st as an argument was read unsequenced) */
 }
 
 /* Every job's (job, kv head) units in one parallel region: a step over many requests forks once per layer, not once
