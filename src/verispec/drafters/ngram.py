@@ -17,6 +17,8 @@ def lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
 
     Example: tokens = [1, 2, 3, 4, 2, 3], max_n = 2, k = 2: the suffix [2, 3] occurred at index 1, so the
     draft is what followed it, [4, 2].
+
+    The rule's stateless statement, kept as the reference the drafters' incremental `SuffixIndex` is tested against.
     """
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
