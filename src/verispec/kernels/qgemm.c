@@ -604,38 +604,23 @@ static float quantize_group8(const void *src, int in_bf16, int64_t n, float *v, 
     return s;
 }
 
-/* x's rows as int8 per group (see the W4A8 note); 0, or -1 if out of memory: xq in chunks of mr rows (a chunk at
- * m0 starts at m0 * K8 * 2 int32, K8 = groups * G8 steps; inside, [group][step][row][2]), xs [M][groups] scales,
- * xc [M][groups] 8 * sum(q). The (row, group) pairs split over threads from 32 rows (a prefill's); a verify step's
- * 4-9 rows stay on one thread (split, its forward ran 8-12% slower: the fork costs more than the rounding). */
-static int quantize_x8(const void *x, int in_bf16, int64_t M, int64_t ldx, int64_t group, int64_t groups,
-                       int64_t G8, int64_t mr, int32_t *xq, float *xs, int32_t *xc, int threads) {
-    const int64_t K8 = groups * G8, units = M * groups;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && M >= 32)
-    {
-        float *v = malloc((size_t)group * sizeof(float));
-        if (!v) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            if (!v) continue;
-            const int64_t m = u / groups, g = u % groups;
-            const int64_t m0 = m / mr * mr, rows = M - m0 < mr ? M - m0 : mr, r = m - m0;
-            const char *src = (const char *)x + ((size_t)m * ldx + (size_t)g * group) * (in_bf16 ? 2 : 4);
-            int8_t *dst = (int8_t *)(xq + m0 * K8 * 2) + (g * G8 * rows + r) * 8;
-            int32_t sum;
-            xs[m * groups + g] = quantize_group8(src, in_bf16, group, v, dst, rows * 8, &sum);
-            xc[m * groups + g] = 8 * sum;
-        }
-        free(v);
-    }
-    return failed ? -1 : 0;
+/* One (row, group) unit of x as int8 (see the W4A8 note): xq in chunks of mr rows (a chunk at m0 starts at
+ * m0 * K8 * 2 int32, K8 = groups * G8 steps; inside, [group][step][row][2]), xs [M][groups] scales, xc [M][groups]
+ * 8 * sum(q). v: `group` floats of scratch. */
+static void quantize_unit(const void *x, int in_bf16, int64_t M, int64_t ldx, int64_t group, int64_t groups,
+                          int64_t G8, int64_t mr, int64_t u, float *v, int32_t *xq, float *xs, int32_t *xc) {
+    const int64_t K8 = groups * G8, m = u / groups, g = u % groups;
+    const int64_t m0 = m / mr * mr, rows = M - m0 < mr ? M - m0 : mr, r = m - m0;
+    const char *src = (const char *)x + ((size_t)m * ldx + (size_t)g * group) * (in_bf16 ? 2 : 4);
+    int8_t *dst = (int8_t *)(xq + m0 * K8 * 2) + (g * G8 * rows + r) * 8;
+    int32_t sum;
+    xs[m * groups + g] = quantize_group8(src, in_bf16, group, v, dst, rows * 8, &sum);
+    xc[m * groups + g] = 8 * sum;
 }
 
-/* The W4A8 matmul (vs_qlinear with act_bits 8). Returns 0 or -1 if out of memory. */
+/* The W4A8 matmul (vs_qlinear with act_bits 8). Returns 0 or -1 if out of memory. x is rounded to int8 and the
+ * tiles run in one parallel region, the rounding's (row, group) units split over the threads and a barrier between
+ * the two: at a verify step's few rows a region of its own costs more than the rounding it splits. */
 static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const void *wp, int64_t group,
                       int64_t groups, const float *bias, int64_t N, void *y, int out_bf16, int threads) {
     const int64_t G8 = (group + 7) / 8, K8 = groups * G8, mr = A8_MR(M), nv_unit = A8_NV(M);
@@ -645,25 +630,38 @@ static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const 
         free(xq), free(xs), free(xc);
         return -1;
     }
-    if (quantize_x8(x, in_bf16, M, ldx, group, groups, G8, mr, xq, xs, xc, threads)) {
-        free(xq), free(xs), free(xc);
-        return -1;
-    }
     const int64_t nvec = (N + BLOCK - 1) / BLOCK * VPB, units = (nvec + nv_unit - 1) / nv_unit;
     const int64_t bstride = groups * (G8 * 4 * BLOCK + SCALE_BYTES); /* units start on whole blocks */
     const size_t yelt = out_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t v0 = u * nv_unit, nv = nvec - v0 < nv_unit ? nvec - v0 : nv_unit;
-        const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * 32;
-        for (int64_t m0 = 0; m0 < M; m0 += mr) {
-            const int rows = (int)(M - m0 < mr ? M - m0 : mr);
-            a8_table[rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb, bstride,
-                                   bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        float *v = malloc((size_t)group * sizeof(float));
+        if (!v) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < M * groups; u++)
+            if (v) quantize_unit(x, in_bf16, M, ldx, group, groups, G8, mr, u, v, xq, xs, xc);
+        free(v); /* the loop's barrier: every unit is rounded before any tile reads it */
+        int bad;
+#pragma omp atomic read
+        bad = failed;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (bad) continue;
+            const int64_t v0 = u * nv_unit, nv = nvec - v0 < nv_unit ? nvec - v0 : nv_unit;
+            const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * 32;
+            for (int64_t m0 = 0; m0 < M; m0 += mr) {
+                const int rows = (int)(M - m0 < mr ? M - m0 : mr);
+                a8_table[rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb,
+                                       bstride, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+            }
         }
     }
     free(xq), free(xs), free(xc);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* x: [M, K] rows ldx elements apart, fp32 or bf16 (in_bf16); wp: packed weight (see the top) of `bits` (4, 8)
