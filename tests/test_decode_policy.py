@@ -100,7 +100,7 @@ def test_cut_counts_the_drafters_cost():
     draft = Draft([1, 2, 3], None, torch.tensor([0.5, 0.5, 0.5]))
     policy = _LengthPolicy(None, 8, linear_profile(1.0))
     assert policy.cut(draft).tokens == []  # n = 0: 1 / 2 = 0.5; n = 1: 1.5 / 3 = 0.5, no gain
-    policy.record(20.0, 0, [], [])  # a 20 s drafter: 1 / 22, 1.5 / 23, 1.75 / 24, 1.875 / 25 keep growing
+    policy.record(20.0, 0, Draft([]), [])  # a 20 s drafter: 1 / 22, 1.5 / 23, 1.75 / 24, 1.875 / 25 keep growing
     assert policy.cut(draft).tokens == [1, 2, 3]
 
 
@@ -113,16 +113,31 @@ def test_without_confidence_past_acceptance_decides():
     assert policy.cut(draft).tokens == [1]  # prior 0.5: 1 / 1.3 < 1.5 / 1.6 > 1.75 / 1.9
     tokens = [7]
     for _ in range(20):  # the target continues with 9s: position 1 always wrong
-        policy.record(0.0, len(tokens), [1, 2, 3, 4], tokens)
+        policy.record(0.0, len(tokens), draft, tokens)
         tokens += [9]
     assert policy.cut(draft).tokens == []
     for _ in range(40):  # cut to nothing, the proposals still match what the target went on to commit
         start = len(tokens)
         tokens += [1, 2, 3, 4]
-        policy.record(0.0, start, [1, 2, 3, 4], tokens)
+        policy.record(0.0, start, draft, tokens)
     assert policy.cut(draft).tokens == [1, 2, 3, 4]
-    policy.record(0.0, len(tokens), [1, 2], tokens)  # not covered yet: waits for the tokens
+    policy.record(0.0, len(tokens), Draft([1, 2]), tokens)  # not covered yet: waits for the tokens
     assert len(policy.shadow) == 1
+
+
+def test_draft_kinds_are_cut_by_their_own_past():
+    """Drafts of two kinds from one drafter (prompt lookup after a 1-token and a 3-token match): one always
+    contradicted, one always right. Each kind's cut follows its own record, not their mix."""
+    policy = _LengthPolicy(None, 4, linear_profile(0.3))
+    weak, strong = Draft.chain([1, 2, 3, 4], kind="n1"), Draft.chain([1, 2, 3, 4], kind="n3")
+    tokens = [7]
+    for _ in range(30):
+        policy.record(0.0, len(tokens), weak, tokens)
+        tokens += [9]
+        start = len(tokens)
+        tokens += [1, 2, 3, 4]
+        policy.record(0.0, start, strong, tokens)
+    assert policy.cut(weak).tokens == [] and policy.cut(strong).tokens == [1, 2, 3, 4]
 
 
 def test_policy_option_is_checked():

@@ -296,6 +296,23 @@ def test_acceptance_estimator_learns_per_position_rates():
     assert survival([0.5, 0.5, 2.0]) == [0.5, 0.25, 0.25]
 
 
+def test_acceptance_estimator_keeps_draft_kinds_apart():
+    """Drafts of one drafter in different kinds (prompt lookup's 1- and 3-token matches) learn apart; drafts
+    without a kind learn what they learnt before kinds existed; a finished request forgets every kind."""
+    est, plain = AcceptanceEstimator(max_k=4, strength=2), AcceptanceEstimator(max_k=4, strength=2)
+    for _ in range(100):
+        est.update("d", "r", 4, 4, kind="n3")
+        est.update("d", "r", 4, 0, kind="n1")
+        est.update("d", "r", 4, 2)
+        plain.update("d", "r", 4, 2)
+    assert est.conditional("d", "r", 4, "n3")[0] > 0.97 and est.conditional("d", "r", 4, "n1")[0] < 0.03
+    assert est.conditional("d", "new", 4, "n1")[0] < 0.03  # the drafter's estimate for that kind
+    assert est.conditional("d", "r", 4, "n2") == [0.5] * 4  # a kind never seen: the prior
+    assert est.conditional("d", "r", 4) == plain.conditional("d", "r", 4)
+    est.forget("r")
+    assert est.tracked() == [] and est.conditional("d", "r", 4, "n3") == est.conditional("d", "new", 4, "n3")
+
+
 def test_profile_interpolates_and_measures(target):
     prof = StepProfile({}, (1, 4, 8), (1.0, 1.0, 2.0), 0.5, 0)
     assert prof.step_time(1) == 1.0 and prof.step_time(6) == pytest.approx(1.5)

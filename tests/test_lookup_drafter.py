@@ -11,7 +11,9 @@ from test_exactness import ALPHA, S_PARAMS, S_PROMPT, SV, check_pair, exact_pair
 
 from verispec.config import EngineConfig, SamplingParams, SpecConfig
 from verispec.decode import decode
-from verispec.drafters import BlockDrafter, LookupFirstDrafter, ModelDrafter, build_drafter
+from verispec.drafters import (
+    BlockDrafter, DraftRequest, LookupFirstDrafter, ModelDrafter, NgramDrafter, build_drafter,
+)
 from verispec.drafters.ngram import SuffixIndex, lookup
 from verispec.engine import Engine
 from verispec.errors import ConfigError
@@ -44,8 +46,35 @@ def test_suffix_index_drafts_what_the_scan_drafts(min_n, max_n):
         assert index.tokens == tokens
         for k in (1, 3, 9):
             assert index.lookup(k) == lookup(np.asarray(tokens, dtype=np.int64), max_n, min_n, k), (step, k)
+        draft, n = index.match(3)
+        if draft:  # the suffix of n tokens occurred before, and no longer one did
+            assert min_n <= n <= max_n and _occurs(tokens[len(tokens) - n :], tokens[:-1])
+            assert n == max_n or n == len(tokens) - 1 or not _occurs(tokens[len(tokens) - n - 1 :], tokens[:-1])
+        else:
+            assert n == 0
     index.truncate(0)
     assert index.tokens == [] and index.starts == {}
+
+
+def _occurs(pattern: list[int], seq: list[int]) -> bool:
+    return any(seq[i : i + len(pattern)] == pattern for i in range(len(seq) - len(pattern) + 1))
+
+
+def test_drafts_name_their_match_length():
+    """The policy's acceptance estimates are kept per Draft.kind: ngram's drafts say how long a suffix they
+    continue, lookup's say they are lookup's (not the inner drafter's)."""
+    seq = [1, 2, 3, 9, 2, 3, 8, 3]  # suffix [3]: a 1-token match (the 2-gram [8, 3] is new), continued by [8, 3]
+    ngram = NgramDrafter(max_n=3)
+    (d1,) = ngram.propose([DraftRequest(0, seq, 2, GREEDY, None)])
+    (d3,) = ngram.propose([DraftRequest(1, seq + [9, 2], 2, GREEDY, None)])  # [3, 9, 2] occurred: a 3-token match
+    assert (d1.tokens, d1.kind) == ([8, 3], "n1") and (d3.tokens, d3.kind) == ([3, 8], "n3")
+    assert d3.truncated(1).kind == "n3" and d3.keep([0]).kind == "n3"
+
+    class Inner(NgramDrafter):  # stands for a learned drafter: anything that drafts without a match
+        pass
+    first = LookupFirstDrafter(Inner(max_n=1), min_n=3)
+    assert first.propose([DraftRequest(2, seq + [9, 2], 2, GREEDY, None)])[0].kind == "lookup-n3"
+    assert first.propose([DraftRequest(3, seq, 2, GREEDY, None)])[0].kind == "n1"  # the inner drafter's own
 
 
 @pytest.mark.parametrize("min_n", [1, 2, 3])

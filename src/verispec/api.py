@@ -15,6 +15,7 @@ from verispec.errors import ConfigError
 from verispec.model.checkpoint import load_model, parse_dtype
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
+from verispec.policies import AcceptanceEstimator
 
 Prompt = str | Sequence[int]
 
@@ -57,6 +58,8 @@ class LLM:
         self.spec = SpecConfig(k=k if drafter is not None else 0, verify=verify, policy=policy, kv_tier=kv_tier,
                                tree=tree)
         self.context_limit = context_limit
+        # the dspark policy's acceptance record, carried from one generation to the next (outputs never depend on it)
+        self.estimator = AcceptanceEstimator(max(k, 1)) if drafter is not None and policy == "dspark" else None
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -73,6 +76,7 @@ class LLM:
             spec=SpecConfig(k=0, kv_tier=self.spec.kv_tier) if plain else self.spec,
             tokenizer=self.tokenizer,
             context_limit=self.context_limit,
+            estimator=None if plain else self.estimator,
         )
 
     def generate(

@@ -9,6 +9,7 @@ draft's forward carries its positions and tree attention mask, and its cache kee
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -69,19 +70,26 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_limit: int) 
         raise ConfigError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
 
 
+_SEQUENCES = itertools.count()
+
+
 class _LengthPolicy:
     """SpecConfig.policy == "dspark" for one sequence: DSpark's Algorithm 1 with one request (`policies.dspark_cut`,
     the engine's rule for a step of one request). Each round verifies the draft prefix (a tree: the subtree) that
     maximises expected tokens per second, tau(n) / (draft_s + step_time(n + 1, context)), admitting position j only
     while it still raises that ratio: the cut at j depends on c_1..c_j alone (each c_j on the tokens before x_j),
     never on x_j, so sampling stays lossless. c_j is the drafter's confidence where it gives one, else this
-    sequence's past acceptance at position j (a tree node's: at its depth), learnt from whole chain proposals
-    (`policies.learn_from_proposals`)."""
+    sequence's past acceptance at position j (a tree node's: at its depth) for drafts of its kind, learnt from whole
+    chain proposals (`policies.learn_from_proposals`). Given the caller's `estimator`, this sequence's estimate
+    shrinks toward what earlier sequences with the same drafter learnt, as a request's does in the engine."""
 
-    def __init__(self, target: Transformer, k: int, profile: StepProfile | None = None) -> None:
+    def __init__(self, target: Transformer, k: int, profile: StepProfile | None = None,
+                 estimator: policies.AcceptanceEstimator | None = None) -> None:
         self.profile = profile or load_or_measure(target)
-        self.estimator = policies.AcceptanceEstimator(k)
-        self.shadow: deque[tuple[int, list[int]]] = deque()  # proposals not yet covered by committed tokens
+        self.estimator = estimator or policies.AcceptanceEstimator(k)
+        self.key = f"decode-{next(_SEQUENCES)}"  # this sequence's own estimate in a shared estimator
+        # proposals not yet covered by committed tokens: (start, tokens, Draft.kind)
+        self.shadow: deque[tuple[int, list[int], str | None]] = deque()
         self.propose_s, self.proposals = 0.0, 0  # the drafter's cost per round, as measured so far
 
     def cut(self, draft: Draft, context: int = 0) -> Draft:
@@ -89,19 +97,22 @@ class _LengthPolicy:
         if not draft.tokens:
             return draft
         fixed_s = self.propose_s / self.proposals if self.proposals else 0.0
-        conditional = policies.conditional(draft, self.estimator, "", "")
+        conditional = policies.conditional(draft, self.estimator, "", self.key)
         return policies.dspark_cut([draft], [conditional], (), 0,
                                    lambda b: fixed_s + self.profile.step_time(b, context=context))[0]
 
-    def record(self, propose_s: float, start: int, proposed: list[int], tokens: list[int]) -> None:
-        """After a round: the drafter's time, and its whole proposal (from index `start` of `tokens`), scored
-        against the committed tokens as soon as they cover it."""
+    def record(self, propose_s: float, start: int, proposed: Draft, tokens: list[int]) -> None:
+        """After a round: the drafter's time, and its whole proposal (from index `start` of `tokens`; a chain's, trees
+        do not teach), scored against the committed tokens as soon as they cover it."""
         if propose_s > 0:  # the drafter ran this round (budget > 0)
             self.propose_s += propose_s
             self.proposals += 1
-        if proposed:
-            self.shadow.append((start, proposed))
-        policies.learn_from_proposals(self.estimator, "", "", self.shadow, tokens)
+        if proposed.tokens and proposed.is_chain:
+            self.shadow.append((start, proposed.tokens, proposed.kind))
+        policies.learn_from_proposals(self.estimator, "", self.key, self.shadow, tokens)
+
+    def finish(self) -> None:
+        self.estimator.forget(self.key)
 
 
 def _rounds(
@@ -115,6 +126,7 @@ def _rounds(
     context_limit: int | None = None,
     seq_id: int = 0,
     profile: StepProfile | None = None,
+    estimator: policies.AcceptanceEstimator | None = None,
 ) -> Iterator[StreamEvent]:
     """decode_stream's loop, to be run under torch.inference_mode()."""
     start = time.perf_counter()
@@ -129,7 +141,8 @@ def _rounds(
     stopper = StopChecker(params, len(prompt_ids), limit, eos_token_ids, tokenizer, prompt_ids)
     generator = None if params.greedy else make_generator(params.seed, target.device)
     stats = SpecStats()
-    policy = _LengthPolicy(target, spec.k, profile) if drafter is not None and spec.policy == "dspark" else None
+    policy = (_LengthPolicy(target, spec.k, profile, estimator) if drafter is not None and spec.policy == "dspark"
+              else None)
     # Room for the prompt, every output token and one round's draft: no need to zero the whole context.
     cache = KVCache.for_model(target, max_len=min(limit, len(prompt_ids) + params.max_tokens + spec.k + 1),
                               tier=spec.kv_tier)
@@ -178,7 +191,7 @@ def _rounds(
             tokens.extend(emitted.token_ids)
             stats.record_round(len(draft.tokens), num_accepted, len(emitted.token_ids), draft.depth)
             if policy is not None:
-                policy.record(propose_s, n, proposed.tokens if proposed.is_chain else [], tokens)
+                policy.record(propose_s, n, proposed, tokens)
             if stats.num_rounds == 1:
                 stats.ttft_s = time.perf_counter() - start
             if drafter is not None:
@@ -203,6 +216,8 @@ def _rounds(
     finally:
         if drafter is not None:
             drafter.finish(seq_id)
+        if policy is not None:
+            policy.finish()
 
 
 @torch.inference_mode()  # on a generator function, torch re-enters the mode around every round's resume
@@ -210,8 +225,9 @@ def decode_stream(
     target: Transformer, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs
 ) -> Iterator[StreamEvent]:
     """Generate for one sequence, yielding each round's committed tokens; the last event carries the result.
-    kwargs: drafter, spec, tokenizer, eos_token_ids, context_limit, seq_id, and profile (the target's StepProfile for
-    `spec.policy == "dspark"`; default: measured once and cached)."""
+    kwargs: drafter, spec, tokenizer, eos_token_ids, context_limit, seq_id, profile (the target's StepProfile for
+    `spec.policy == "dspark"`; default: measured once and cached) and estimator (a `policies.AcceptanceEstimator` the
+    caller keeps across generations with this drafter, as `LLM` does; default: this generation's alone)."""
     yield from _rounds(target, prompt_ids, params, **kwargs)
 
 

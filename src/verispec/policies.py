@@ -95,39 +95,43 @@ def dspark_cut(
 
 
 class AcceptanceEstimator:
-    """Online P(position j accepted | positions before it accepted), per drafter and per request.
+    """Online P(position j accepted | positions before it accepted), per drafter and draft kind (`Draft.kind`), and
+    per request.
 
-    A request's estimate shrinks toward its drafter's (engine-wide) estimate, which shrinks toward `prior`.
+    A request's estimate shrinks toward its drafter's (engine-wide) estimate for the same kind, which shrinks toward
+    `prior`.
     """
 
     def __init__(self, max_k: int, prior: float = 0.5, strength: float = 4.0) -> None:
         self.max_k = max(max_k, 1)
         self.prior, self.strength = prior, strength
         # host lists, not tensors: a round's update and estimate are a few dozen additions (tensors cost ~35 us)
-        self._global: dict[str, tuple[list[float], list[float]]] = {}  # drafter -> (reached, accepted) [k]
-        self._local: dict[str, tuple[list[float], list[float]]] = {}  # request id -> same
+        self._global: dict[tuple[str, str | None], tuple[list[float], list[float]]] = {}  # (drafter, kind) -> [k] x2
+        self._local: dict[str, dict[str | None, tuple[list[float], list[float]]]] = {}  # request id -> kind -> same
 
-    def _counts(self, table: dict, key: str) -> tuple[list[float], list[float]]:
+    def _counts(self, table: dict, key) -> tuple[list[float], list[float]]:
         if key not in table:
             table[key] = ([0.0] * self.max_k, [0.0] * self.max_k)
         return table[key]
 
-    def update(self, drafter: str, request_id: str, num_draft: int, num_accepted: int) -> None:
+    def update(self, drafter: str, request_id: str, num_draft: int, num_accepted: int, kind: str | None = None) -> None:
         """One verified round: positions 1..num_accepted+1 were reached (at most num_draft), 1..num_accepted passed."""
         reached_to = min(num_accepted + 1, num_draft, self.max_k)
         passed_to = min(num_accepted, self.max_k)
-        for reached, accepted in (self._counts(self._global, drafter), self._counts(self._local, request_id)):
+        local = self._local.setdefault(request_id, {})
+        for reached, accepted in (self._counts(self._global, (drafter, kind)), self._counts(local, kind)):
             for j in range(reached_to):
                 reached[j] += 1.0
             for j in range(passed_to):
                 accepted[j] += 1.0
 
-    def conditional(self, drafter: str, request_id: str, k: int) -> list[float]:
-        g_reached, g_acc = self._counts(self._global, drafter)
+    def conditional(self, drafter: str, request_id: str, k: int, kind: str | None = None) -> list[float]:
+        g_reached, g_acc = self._counts(self._global, (drafter, kind))
         pseudo = self.strength * self.prior
         out = [(a + pseudo) / (r + self.strength) for r, a in zip(g_reached, g_acc)]
-        if request_id in self._local:
-            r_reached, r_acc = self._local[request_id]
+        local = self._local.get(request_id)
+        if local is not None and kind in local:
+            r_reached, r_acc = local[kind]
             out = [(a + self.strength * g) / (r + self.strength) for r, a, g in zip(r_reached, r_acc, out)]
         return (out + [out[-1]] * k)[:k]
 
@@ -141,7 +145,7 @@ class AcceptanceEstimator:
 
 def learn_from_proposals(
     estimator: AcceptanceEstimator, drafter: str, request_id: str,
-    shadow: deque[tuple[int, list[int]]],  # (index in tokens where the proposal starts, the whole proposal)
+    shadow: deque[tuple[int, list[int], str | None]],  # (index in tokens where it starts, whole proposal, its kind)
     tokens: list[int],  # the request's committed tokens
 ) -> None:
     """Score each whole proposal, cut or not, once the target's own continuation covers it: position j counts as
@@ -149,23 +153,23 @@ def learn_from_proposals(
     (and sample-match's), so positions a policy did not verify still teach the estimator; without that, an
     estimate that once fell below the cost of verifying could never recover."""
     while shadow:
-        start, proposed = shadow[0]
+        start, proposed, kind = shadow[0]
         actual = tokens[start : start + len(proposed)]
         if len(actual) < len(proposed):
             return
         shadow.popleft()
         matched = next((j for j, (x, y) in enumerate(zip(proposed, actual)) if x != y), len(proposed))
-        estimator.update(drafter, request_id, len(proposed), matched)
+        estimator.update(drafter, request_id, len(proposed), matched, kind)
 
 
 def conditional(draft: Draft, estimator: AcceptanceEstimator, drafter: str, request_id: str) -> list[float]:
     """c per node of a draft: the drafter's confidences where it gives them, else the estimator's past acceptance
-    at the node's depth."""
+    at the node's depth, for drafts of the same kind."""
     k = len(draft.tokens)
     if draft.confidence is not None:
         return draft.confidence.float().tolist()[:k]
     if draft.is_chain:
-        return estimator.conditional(drafter, request_id, k)
-    by_depth = estimator.conditional(drafter, request_id, draft.depth)
+        return estimator.conditional(drafter, request_id, k, draft.kind)
+    by_depth = estimator.conditional(drafter, request_id, draft.depth, draft.kind)
     return [by_depth[d - 1] for d in draft.node_depths]
 

@@ -46,6 +46,10 @@ class Draft:
     probs: torch.Tensor | None = None  # [k', V] the q each node was drawn from (given its path); None = point mass
     confidence: torch.Tensor | None = None  # [k'] estimated P(node accepted | its parent accepted), if known
     parents: tuple[int, ...] | None = None  # [k'] each node's parent index, -1 = the anchor; None = a chain
+    # The draft's class for acceptance estimates learnt online (policies.AcceptanceEstimator), where it gives no
+    # confidence: prompt lookup's drafts from a 1-token match are accepted at position 1 a third as often as those
+    # from a 3-token match, and one estimate for both verified the first too long and the second too short.
+    kind: str | None = None
 
     def __post_init__(self) -> None:
         k = len(self.tokens)
@@ -61,9 +65,10 @@ class Draft:
                 object.__setattr__(self, "parents", None)  # one representation per chain
 
     @staticmethod
-    def chain(tokens: list[int], probs: torch.Tensor | None = None, confidence: torch.Tensor | None = None) -> Draft:
+    def chain(tokens: list[int], probs: torch.Tensor | None = None, confidence: torch.Tensor | None = None,
+              kind: str | None = None) -> Draft:
         """A sequence draft x_1..x_k: node j's parent is node j - 1."""
-        return Draft(tokens, probs, confidence)
+        return Draft(tokens, probs, confidence, kind=kind)
 
     @property
     def is_chain(self) -> bool:
@@ -92,16 +97,16 @@ class Draft:
         return chain_parents(len(self.tokens)) if self.parents is None else self.parents
 
     def truncated(self, n: int) -> Draft:
-        """The first n nodes (a subtree: parents come first), with their q rows and confidences."""
+        """The first n nodes (a subtree: parents come first), with their q rows, confidences and kind."""
         if n >= len(self.tokens):
             return self
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
                      None if self.confidence is None else self.confidence[:n],
-                     None if self.parents is None else self.parents[:n])
+                     None if self.parents is None else self.parents[:n], self.kind)
 
     def keep(self, nodes: list[int]) -> Draft:
-        """The listed nodes (ascending, every parent listed before its children) with their q rows and confidences,
-        reindexed: a chain's prefix stays a chain, a tree's subtree a tree."""
+        """The listed nodes (ascending, every parent listed before its children) with their q rows, confidences and
+        kind, reindexed: a chain's prefix stays a chain, a tree's subtree a tree."""
         if nodes == list(range(len(nodes))) and (self.parents is None or len(nodes) == len(self.tokens)):
             return self.truncated(len(nodes))
         index = {n: i for i, n in enumerate(nodes)}
@@ -112,7 +117,7 @@ class Draft:
         return Draft([self.tokens[n] for n in nodes],
                      None if self.probs is None else self.probs[at.to(self.probs.device)],
                      None if self.confidence is None else self.confidence[at.to(self.confidence.device)],
-                     tuple(-1 if parents[n] < 0 else index[parents[n]] for n in nodes))
+                     tuple(-1 if parents[n] < 0 else index[parents[n]] for n in nodes), self.kind)
 
 
 def chain_parents(k: int) -> tuple[int, ...]:

@@ -42,9 +42,9 @@ class LookupFirstDrafter(Drafter):
         for i, r in enumerate(requests):
             if r.budget <= 0:
                 continue
-            found = self.suffixes.lookup(r.seq_id, r.tokens, r.budget)
+            found, n = self.suffixes.match(r.seq_id, r.tokens, r.budget)
             if found:
-                drafts[i] = Draft.chain(found)
+                drafts[i] = Draft.chain(found, kind=f"lookup-n{n}")  # not the inner drafter's acceptance
                 self.num_lookup += 1
             else:
                 rest.append(i)

@@ -70,6 +70,10 @@ class SuffixIndex:
 
     def lookup(self, k: int) -> list[int]:
         """`lookup(tokens, max_n, min_n, k)` over the indexed tokens."""
+        return self.match(k)[0]
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """`lookup`'s draft and the length of the suffix match it continues (0: none)."""
         toks = self.tokens
         length = len(toks)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -78,8 +82,8 @@ class SuffixIndex:
             if earlier > 0:
                 i = bisect_right(hits, length - n - k, 0, earlier)  # the most recent one followed by k tokens
                 start = (hits[i - 1] if i else hits[0]) + n
-                return toks[start : start + k]
-        return []
+                return toks[start : start + k], n
+        return [], 0
 
 
 class SuffixLookup:
@@ -89,12 +93,13 @@ class SuffixLookup:
         self.max_n, self.min_n = max_n, min_n
         self.index: dict[int, SuffixIndex] = {}
 
-    def lookup(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+    def match(self, seq_id: int, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """`SuffixIndex.match` over `tokens`, the sequence's tokens now."""
         index = self.index.get(seq_id)
         if index is None:
             index = self.index[seq_id] = SuffixIndex(self.max_n, self.min_n)
         index.sync(tokens)
-        return index.lookup(k)
+        return index.match(k)
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         if seq_id in self.index:
@@ -114,8 +119,12 @@ class NgramDrafter(Drafter):
         self.suffixes = SuffixLookup(max_n, min_n)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [Draft.chain(self.suffixes.lookup(r.seq_id, r.tokens, r.budget)) if r.budget > 0 else EMPTY_DRAFT
-                for r in requests]
+        return [self._draft(r) if r.budget > 0 else EMPTY_DRAFT for r in requests]
+
+    def _draft(self, request: DraftRequest) -> Draft:
+        tokens, n = self.suffixes.match(request.seq_id, request.tokens, request.budget)
+        # a longer match is accepted far more often (position 1: ~0.3 after 1 token, ~0.9 after 3 on the zoo's code)
+        return Draft.chain(tokens, kind=f"n{n}")
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         self.suffixes.rollback(seq_id, num_tokens)

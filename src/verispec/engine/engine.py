@@ -582,7 +582,7 @@ class Engine:
                 rows = {k: torch.cat([c[k] for _, c in chunks]) for k in chunks[0][1]} if chunks else None
                 self.prefix.store(req.prompt, req.cache, rows, chunks[0][0] if chunks else 0)
         if rnd.proposed:
-            req.shadow.append((n, rnd.proposed))
+            req.shadow.append((n, rnd.proposed, rnd.draft.kind))  # a cut draft keeps its proposal's kind
         self._learn_acceptance(req)
         if req.drafter is not None and not rnd.gap:  # every round, drafted or not, as the reference loop does
             self.drafter(req.drafter).accept(Verified(req.seq_id, num_accepted, emitted.token_ids, req_hidden))

@@ -44,7 +44,7 @@ class Request:
     cache: KVCache | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     last_verified: int = 1 << 30  # draft tokens the dspark policy verified last round (unbounded at first)
-    shadow: deque[tuple[int, list[int]]] = field(default_factory=deque)  # (index in tokens, whole proposal)
+    shadow: deque[tuple[int, list[int], str | None]] = field(default_factory=deque)  # (start, whole proposal, kind)
     tree: TreeConfig | None = None  # its draft-tree shape (RequestSpec.tree); None: the drafter's own
     preemptions: int = 0  # times its cache was freed to make room; each time it is recomputed on readmission
     # the prompt rows' hidden states its drafter read, (first position, {layer: [n, d]}) per forward, kept for the
