@@ -15,6 +15,7 @@ import pytest
 import torch
 from _checkpoints import edited_copy
 from conftest import TOKENIZER_TEXT, tiny_model
+from test_feature_drafters import make_feature
 from safetensors.torch import load_file
 
 import verispec.train.block as train_block
@@ -23,7 +24,9 @@ from verispec.cli import main
 from verispec.config import SamplingParams, SpecConfig
 from verispec.decode import decode
 from verispec.drafters import build_drafter
+from verispec.drafters.feature import save_feature_drafter
 from verispec.errors import CheckpointError
+from verispec.kernels import native
 from verispec.model import load_model, save_model
 from verispec.model.tokenizer import Tokenizer
 from verispec.quant.convert import QuantizeConfig, quantize_checkpoint
@@ -231,6 +234,33 @@ def test_quantized_draft_model_loads_and_stays_exact(world, tmp_path, capsys):
         for k in (1, 4):
             assert decode(qmodel, p, GREEDY, drafter=drafter, spec=SpecConfig(k=k)).token_ids == \
                 decode(qmodel, p, GREEDY).token_ids
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a8"])
+def test_quantized_feature_drafters_load_and_stay_exact(world, tmp_path, capsys, kind, scheme):
+    """EAGLE-3 and MTP drafters quantize like block drafters (their input projection and decoder layer; EAGLE's fc
+    too), draft by the native one-call step over the int4 packs, and leave the output the target's."""
+    qmodel = load_model(world / "w4", "fp32")
+    save_feature_drafter(make_feature(qmodel, kind), tmp_path / "d")
+    out = tmp_path / "q"
+    assert main(["quantize", str(tmp_path / "d"), "--out", str(out), "--scheme", scheme, "--group-size", "32"]) == 0
+    state = load_file(str(out / "model.safetensors"))
+    assert "w_in.weight_packed" in state and "layer.mlp.down_proj.weight_packed" in state
+    assert ("fc.weight_packed" in state) == (kind == "eagle") and "layer.input_layernorm.weight" in state
+    drafter = _drafter(f"{kind}:{out}", qmodel)
+    assert isinstance(drafter.model.w_in, QuantLinear) and drafter.model.layer.self_attn.qkv_quant is not None
+    with torch.no_grad():  # the native step serves inference only
+        assert (drafter._native() is not None) == native.qavailable()
+    dense = _drafter(f"{kind}:{tmp_path / 'd'}", qmodel)
+    for p in ([5, 9, 17, 33, 60, 7, 7, 21], list(range(4, 50))):
+        ref = decode(qmodel, p, GREEDY).token_ids
+        for k in (1, 4):
+            assert decode(qmodel, p, GREEDY, drafter=drafter, spec=SpecConfig(k=k)).token_ids == ref
+        assert decode(qmodel, p, GREEDY, drafter=dense, spec=SpecConfig(k=4)).token_ids == ref
+    bad = edited_copy(out, tmp_path / "bad", lambda m, s: s.pop("layer.self_attn.o_proj.weight_scale"))
+    with pytest.raises(CheckpointError, match="layer.self_attn.o_proj.weight_scale"):
+        _drafter(f"{kind}:{bad}", qmodel)
 
 
 BAD = {

@@ -35,6 +35,8 @@ from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftMod
 from verispec.model.fused import FusedFeature
 from verispec.model.packing import PackedLinear, PackedWeight, pack
 from verispec.model.transformer import Transformer
+from verispec.quant.drafter import install_quantized, take_block_quantized
+from verispec.quant.linear import QuantLinear
 from verispec.sampling import sample
 
 
@@ -270,9 +272,11 @@ class FeatureDrafter(Drafter):
         """The one-call native step (model.fused.FusedFeature) where it applies: a packed drafter on CPU."""
         head = self._head_weights()
         if self._fused is None or self._fused[0] is not head:
-            cfg, w_in = self.target.config, self.model.w_in
-            packed = (head[2] is not None and isinstance(w_in, PackedLinear) and w_in.packed is not None
-                      and self.model.layer.mlp.gate_up_packed is not None)
+            cfg, w_in, mlp = self.target.config, self.model.w_in, self.model.layer.mlp
+            quantized = isinstance(w_in, QuantLinear)  # an int8/int4 drafter (quant.drafter): qgemm.c's packs
+            packed = head[2] is not None and (
+                quantized and mlp.gate_up_quant is not None and native.qavailable()
+                or isinstance(w_in, PackedLinear) and w_in.packed is not None and mlp.gate_up_packed is not None)
             fused = None
             if packed and cfg.head_dim % 8 == 0 and cfg.head_dim <= 256 and native.available():
                 fused = FusedFeature(self.model, self.target.model.embed_tokens.weight, head[2], [head[0], head[1]])
@@ -336,9 +340,12 @@ def read_feature_drafter(path: str | Path, target_cfg: ModelConfig, kind: str) -
         raise CheckpointError(f"{path / 'config.json'}: target layers {cfg.target_layers} outside "
                               f"0..{target_cfg.num_hidden_layers}")
     model = FeatureDraftModel(target_cfg, cfg)
-    state = load_file(str(path / "model.safetensors"))
-    check_state(path / "model.safetensors", state, model.state_dict())
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    weights = path / "model.safetensors"
+    state = load_file(str(weights))
+    quantized = take_block_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
+    check_state(weights, state, {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized})
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=not quantized)
+    install_quantized(model, quantized)
     return model
 
 

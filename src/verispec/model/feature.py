@@ -30,6 +30,7 @@ from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 from verispec.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, native_norm
 from verispec.model.packing import PackedLinear, PackedWeight, linear
+from verispec.quant.linear import QuantLinear
 
 FEATURE_KINDS = ("eagle", "mtp")
 
@@ -85,8 +86,9 @@ class FeatureDraftModel(nn.Module):
         attn.pack()
         mlp.fuse()
         mlp.pack()
-        self.w_in = PackedLinear(self.w_in)
-        if self.config.kind == "eagle":
+        if not isinstance(self.w_in, QuantLinear):  # an int8/int4 drafter's QuantLinears pack on first use
+            self.w_in = PackedLinear(self.w_in)
+        if self.config.kind == "eagle" and not isinstance(self.fc, QuantLinear):
             self.fc = PackedLinear(self.fc)
         return self
 
