@@ -248,6 +248,7 @@ def test_quantized_feature_drafters_load_and_stay_exact(world, tmp_path, capsys,
     state = load_file(str(out / "model.safetensors"))
     assert "w_in.weight_packed" in state and "layer.mlp.down_proj.weight_packed" in state
     assert ("fc.weight_packed" in state) == (kind == "eagle") and "layer.input_layernorm.weight" in state
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == []  # every Linear
     drafter = _drafter(f"{kind}:{out}", qmodel)
     assert isinstance(drafter.model.w_in, QuantLinear) and drafter.model.layer.self_attn.qkv_quant is not None
     with torch.no_grad():  # the native step serves inference only

@@ -3,10 +3,12 @@ the drafter's own Linears in int8/int4, in the same pack-quantized layout as a t
 drafter meta's config.json gaining a `quantization_config`.
 
 What is quantized: the context projection `fc` and every draft layer's q/k/v/o/gate/up/down projections, the
-drafter's matmuls (a feature drafter's: `fc` where it has one, its input projection `w_in` and its layer's). What stays dense: the sequential head's `markov_out` (W2, rank -> vocabulary: the drafter's
-LM head, and its 64 input columns are fewer than a 128-group), the `markov_in` table (a lookup), the confidence head
-and the RNN cell (a few thousand weights each), the norms; the target's shared embedding and LM head are not the
-drafter's. Round to nearest only: GPTQ would need the drafter's inputs, which come from the target's hidden states.
+drafter's matmuls (a feature drafter's: `fc` where it has one, its input projection `w_in` and its layer's). What
+stays dense: a block drafter's sequential head `markov_out` (W2, rank -> vocabulary: the drafter's LM head, and its
+64 input columns are fewer than a 128-group), the `markov_in` table (a lookup), the confidence head and the RNN cell
+(a few thousand weights each), the norms; the target's shared embedding and LM head (a feature drafter's head) are
+not the drafter's. Round to nearest only: GPTQ would need the drafter's inputs, which come from the target's hidden
+states.
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ def quantize_block_drafter(src: Path, out: Path, scheme: QuantScheme, method: st
             raise ConfigError(f"group size {scheme.group_size} does not divide {n}'s {w.shape[1]} input features"
                               + scheme.hint(w.shape[1]))
         quantized[n] = quantize_rtn(w, scheme, w.dtype)
-    write_quantized(out, meta, state, quantized, scheme, ignore=DENSE)
+    dense = () if "feature" in meta else DENSE  # a feature drafter's Linears are all quantized
+    write_quantized(out, meta, state, quantized, scheme, ignore=dense)
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
-    return {"quantized": names, "dense": list(DENSE)}
+    return {"quantized": names, "dense": list(dense)}
 
 
 def take_block_quantized(
