@@ -21,7 +21,6 @@ from verispec.api import LLM, SamplingParams
 from verispec.config import EngineConfig
 from verispec.drafters import Draft, Drafter, build_drafter
 from verispec.engine import Engine
-from verispec.quant.convert import quantize_checkpoint
 
 
 def without_kinds(drafter: Drafter) -> Drafter:
@@ -104,10 +103,7 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true")
     ap.add_argument("--running", type=int, default=1)
     args = ap.parse_args()
-    cfg = qr.COPIES[args.target]
-    tdir = qr.TARGET if cfg is None else qr.ROOT / ".cache/quant" / f"{args.target}-g{cfg.group_size or 0}"
-    if cfg is not None and not (tdir / "quantization.json").is_file():
-        quantize_checkpoint(qr.TARGET, tdir, cfg, progress=False)
+    tdir = qr.copy_dir(args.target)
     plain = LLM(tdir)
     lo, hi = (int(x) for x in args.prompts.split(":"))
     prompts = [plain.tokenizer.encode(r["prompt"])[-64:] for r in qr.load_task(args.task)[lo:hi]]

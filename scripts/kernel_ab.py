@@ -22,7 +22,6 @@ import torch
 from verispec.api import LLM
 from verispec.cache import KVCache
 from verispec.kernels import native
-from verispec.quant.convert import quantize_checkpoint
 
 
 def base_library(rev: str, isa: str):
@@ -47,10 +46,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=1000, help="tokens of a timed prefill (0: none)")
     ap.add_argument("--repeats", type=int, default=150)
     args = ap.parse_args()
-    cfg = qr.COPIES[args.target]
-    tdir = qr.TARGET if cfg is None else qr.ROOT / ".cache/quant" / f"{args.target}-g{cfg.group_size or 0}"
-    if cfg is not None and not (tdir / "quantization.json").is_file():
-        quantize_checkpoint(qr.TARGET, tdir, cfg, progress=False)
+    tdir = qr.copy_dir(args.target)
     target = LLM(tdir).target
     if native.library() is None:
         raise SystemExit("error: no native kernels on this machine")

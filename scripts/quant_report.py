@@ -116,6 +116,18 @@ def target_dirs(cache: Path, with_gptq: bool, w4_group: int = 32) -> tuple[dict[
     return dirs, seconds
 
 
+def copy_dir(name: str, cache: Path = ROOT / ".cache/quant") -> Path:
+    """One copy's checkpoint directory (COPIES; bf16: zoo/target), quantized into `cache` first if missing (the
+    helper scripts' way to the report's targets)."""
+    cfg = COPIES[name]
+    if cfg is None:
+        return TARGET
+    out = cache / f"{name}-g{cfg.group_size or 0}"
+    if not (out / "quantization.json").is_file():
+        quantize_checkpoint(TARGET, out, cfg, progress=False)
+    return out
+
+
 def int4_copy(src: Path, cache: Path) -> dict:
     """An int4 (w4a16 RTN) copy of the drafter at `src`, made once and cached as `cache/NAME-w4a16-gG`: G is
     `verispec quantize`'s default (128) where it divides every quantized layer's input, else the largest that does.
