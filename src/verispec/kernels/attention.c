@@ -102,109 +102,77 @@ static void pv_any(int64_t D, const float *p, const float *v, int64_t kss, int64
     }
 }
 
+/* A GQA group's queries two at a time: each key and value row loaded once for both queries' FMAs. AVX-512VL's 32
+ * vector registers hold 2 x 8 accumulators; AVX2's 16 hold 2 x 4. IN_REG keeps GCC from folding the shared load back
+ * into both FMAs as memory operands (two loads again). */
 #if defined(__AVX512VL__)
-/* Two queries that see the same keys (a GQA group's heads at one position) over one full block, each key row loaded
- * once for both: 16 accumulators, which need AVX-512VL's 32 vector registers. Each score is summed in scores8's
- * order, so a query's result does not depend on whether it was paired. */
-#define PV2_DIMS 64 /* pv2's dimensions at a time */
-static inline void scores8x2(const float *q0, const float *q1, const float *k, int64_t kss, int64_t D, float scale,
-                             float *scores0, float *scores1) {
-    __m256 a[8], b[8];
-    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d);
-        for (int j = 0; j < 8; j++) {
-            __m256 kv = _mm256_loadu_ps(k + j * kss + d);
-            __asm__("" : "+v"(kv)); /* one load for both queries: keep GCC from folding it into each FMA */
-            a[j] = _mm256_fmadd_ps(qa, kv, a[j]);
-            b[j] = _mm256_fmadd_ps(qb, kv, b[j]);
-        }
-    }
-    _mm256_storeu_ps(scores0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
-    _mm256_storeu_ps(scores1, _mm256_mul_ps(hsum8(b), _mm256_set1_ps(scale)));
-}
-
-/* pv for two queries over the same keys [s0, s1), 64 dimensions at a time: each value row loaded once for both,
- * each query's sum in pv's order. D must be a multiple of PV2_DIMS. */
-static void pv2(int64_t D, const float *p0, const float *p1, const float *v, int64_t kss, int64_t s0, int64_t s1,
-                float *acc0, float *acc1) {
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        __m256 a[8], b[8];
-        for (int i = 0; i < 8; i++) {
-            a[i] = _mm256_loadu_ps(acc0 + d0 + 8 * i);
-            b[i] = _mm256_loadu_ps(acc1 + d0 + 8 * i);
-        }
-        for (int64_t s = s0; s < s1; s++) {
-            const __m256 pa = _mm256_broadcast_ss(p0 + s), pb = _mm256_broadcast_ss(p1 + s);
-            for (int i = 0; i < 8; i++) {
-                __m256 vv = _mm256_loadu_ps(v + s * kss + d0 + 8 * i);
-                __asm__("" : "+v"(vv));
-                a[i] = _mm256_fmadd_ps(pa, vv, a[i]);
-                b[i] = _mm256_fmadd_ps(pb, vv, b[i]);
-            }
-        }
-        for (int i = 0; i < 8; i++) {
-            _mm256_storeu_ps(acc0 + d0 + 8 * i, a[i]);
-            _mm256_storeu_ps(acc1 + d0 + 8 * i, b[i]);
-        }
-    }
-}
+#define PAIR_KEYS 8 /* keys a paired score pass covers */
+#define PAIR_DIMS 64 /* dimensions a paired p @ V pass covers */
+#define IN_REG(x) __asm__("" : "+v"(x))
 #else
-/* AVX2's 16 vector registers: two queries over half a block (4 keys, 8 accumulators) and 32 dimensions of p @ V at a
- * time, in the same per-query order. */
-#define PV2_DIMS 32
-static inline void scores4x2(const float *q0, const float *q1, const float *k, int64_t kss, int64_t D, float scale,
-                             float *scores0, float *scores1) {
-    __m256 a[4], b[4];
-    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d);
-        for (int j = 0; j < 4; j++) {
-            __m256 kv = _mm256_loadu_ps(k + j * kss + d);
-            __asm__("" : "+x"(kv));
-            a[j] = _mm256_fmadd_ps(qa, kv, a[j]);
-            b[j] = _mm256_fmadd_ps(qb, kv, b[j]);
-        }
-    }
-    /* hsum8's tree for four keys: lane j of hadd(hadd(a0, a1), hadd(a2, a3)) is key j's first four lanes' sum, and
-     * its upper half the last four's */
-    const __m256 ta = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 tb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-    const __m128 s = _mm_set1_ps(scale);
-    _mm_storeu_ps(scores0, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(ta), _mm256_extractf128_ps(ta, 1)), s));
-    _mm_storeu_ps(scores1, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(tb), _mm256_extractf128_ps(tb, 1)), s));
-}
+#define PAIR_KEYS 4
+#define PAIR_DIMS 32
+#define IN_REG(x) __asm__("" : "+x"(x))
+#endif
 
+/* scores8 for two queries over one full block, each score summed in scores8's (hsum8's) order, so a query's result
+ * does not depend on whether it was paired. */
 static inline void scores8x2(const float *q0, const float *q1, const float *k, int64_t kss, int64_t D, float scale,
                              float *scores0, float *scores1) {
-    scores4x2(q0, q1, k, kss, D, scale, scores0, scores1);
-    scores4x2(q0, q1, k + 4 * kss, kss, D, scale, scores0 + 4, scores1 + 4);
+    for (int j0 = 0; j0 < 8; j0 += PAIR_KEYS) {
+        __m256 a[PAIR_KEYS], b[PAIR_KEYS];
+        for (int j = 0; j < PAIR_KEYS; j++) a[j] = b[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d);
+            for (int j = 0; j < PAIR_KEYS; j++) {
+                __m256 kv = _mm256_loadu_ps(k + (j0 + j) * kss + d);
+                IN_REG(kv);
+                a[j] = _mm256_fmadd_ps(qa, kv, a[j]);
+                b[j] = _mm256_fmadd_ps(qb, kv, b[j]);
+            }
+        }
+#if PAIR_KEYS == 8
+        _mm256_storeu_ps(scores0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(scores1, _mm256_mul_ps(hsum8(b), _mm256_set1_ps(scale)));
+#else /* hsum8's tree for four keys: lane j of hadd(hadd(a0, a1), hadd(a2, a3)) sums key j's first four lanes, lane
+       * j + 4 its last four */
+        const __m256 ta = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        const __m256 tb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+        const __m128 s = _mm_set1_ps(scale);
+        const __m128 sa = _mm_add_ps(_mm256_castps256_ps128(ta), _mm256_extractf128_ps(ta, 1));
+        const __m128 sb = _mm_add_ps(_mm256_castps256_ps128(tb), _mm256_extractf128_ps(tb, 1));
+        _mm_storeu_ps(scores0 + j0, _mm_mul_ps(sa, s));
+        _mm_storeu_ps(scores1 + j0, _mm_mul_ps(sb, s));
+#endif
+    }
 }
 
+/* pv for two queries over the same keys [s0, s1), each query's sum in pv's order. D must be a multiple of
+ * PAIR_DIMS. */
 static void pv2(int64_t D, const float *p0, const float *p1, const float *v, int64_t kss, int64_t s0, int64_t s1,
                 float *acc0, float *acc1) {
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        __m256 a[4], b[4];
-        for (int i = 0; i < 4; i++) {
+    enum { VECS = PAIR_DIMS / 8 };
+    for (int64_t d0 = 0; d0 < D; d0 += PAIR_DIMS) {
+        __m256 a[VECS], b[VECS];
+        for (int i = 0; i < VECS; i++) {
             a[i] = _mm256_loadu_ps(acc0 + d0 + 8 * i);
             b[i] = _mm256_loadu_ps(acc1 + d0 + 8 * i);
         }
         for (int64_t s = s0; s < s1; s++) {
             const __m256 pa = _mm256_broadcast_ss(p0 + s), pb = _mm256_broadcast_ss(p1 + s);
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < VECS; i++) {
                 __m256 vv = _mm256_loadu_ps(v + s * kss + d0 + 8 * i);
-                __asm__("" : "+x"(vv));
+                IN_REG(vv);
                 a[i] = _mm256_fmadd_ps(pa, vv, a[i]);
                 b[i] = _mm256_fmadd_ps(pb, vv, b[i]);
             }
         }
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < VECS; i++) {
             _mm256_storeu_ps(acc0 + d0 + 8 * i, a[i]);
             _mm256_storeu_ps(acc1 + d0 + 8 * i, b[i]);
         }
     }
 }
-#endif
 
 /* One key's score in scores8's order (its remainder loop, which equals a full block's lane). */
 static inline float score1(const float *q, const float *k, int64_t D, float scale) {
@@ -306,7 +274,7 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
         for (int64_t i = 0; i < nq; i++) {
             if (n[i] <= s0) continue;
             const int64_t e = (n[i] < s1 ? n[i] : s1) - s0;
-            if (D % PV2_DIMS == 0 && i + 1 < nq && n[i + 1] > s0) { /* the keys both see together, then the rest */
+            if (D % PAIR_DIMS == 0 && i + 1 < nq && n[i + 1] > s0) { /* the keys both see together, then the rest */
                 const int64_t e1 = (n[i + 1] < s1 ? n[i + 1] : s1) - s0, both = e < e1 ? e : e1;
                 pv2(D, p + i * sp + s0, p + (i + 1) * sp + s0, vb, st, 0, both, o[i], o[i + 1]);
                 if (e > both) pv_any(D, p + i * sp + s0, vb, st, both, e, o[i]);
