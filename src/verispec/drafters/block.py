@@ -49,7 +49,7 @@ from verispec.model.block import BlockConfig, BlockDraftModel
 from verispec.model.checkpoint import DRAFTER_KIND_KEY
 from verispec.model.packing import linear, pack, weight_version
 from verispec.model.transformer import Transformer
-from verispec.quant.drafter import install_quantized, take_block_quantized
+from verispec.quant.drafter import install_quantized, take_drafter_quantized
 from verispec.sampling import probs_for, sample
 
 KIND_KEY = DRAFTER_KIND_KEY
@@ -443,7 +443,7 @@ def read_block_drafter(path: str | Path, target_cfg: ModelConfig) -> BlockDraftM
     check_target(meta, target_cfg, path, "block drafter")
     model = BlockDraftModel(target_cfg, cfg)
     state = load_file(str(weights))
-    quantized = take_block_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
+    quantized = take_drafter_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
     check_state(weights, state, {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized})
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=not quantized)
     install_quantized(model, quantized)

@@ -35,7 +35,7 @@ from verispec.model.feature import FEATURE_KINDS, FeatureConfig, FeatureDraftMod
 from verispec.model.fused import FusedFeature
 from verispec.model.packing import PackedLinear, PackedWeight, pack
 from verispec.model.transformer import Transformer
-from verispec.quant.drafter import install_quantized, take_block_quantized
+from verispec.quant.drafter import install_quantized, take_drafter_quantized
 from verispec.quant.linear import QuantLinear
 from verispec.sampling import sample
 
@@ -342,7 +342,7 @@ def read_feature_drafter(path: str | Path, target_cfg: ModelConfig, kind: str) -
     model = FeatureDraftModel(target_cfg, cfg)
     weights = path / "model.safetensors"
     state = load_file(str(weights))
-    quantized = take_block_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
+    quantized = take_drafter_quantized(meta, model, state, path)  # {} unless int8/int4 (quant.drafter)
     check_state(weights, state, {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized})
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=not quantized)
     install_quantized(model, quantized)

@@ -102,11 +102,11 @@ def quantize_checkpoint(
     src, out = Path(src), Path(out)
     scheme = cfg.quant_scheme
     raw = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
-    if DRAFTER_KIND_KEY in raw:  # a block drafter (dspark, block): its own Linears, by RTN
-        from verispec.quant.drafter import quantize_block_drafter
+    if DRAFTER_KIND_KEY in raw:  # a block or feature drafter (dspark, block, eagle, mtp): its own Linears, by RTN
+        from verispec.quant.drafter import quantize_drafter
 
         summary = {"scheme": scheme.name, **asdict(cfg), "source": str(src),
-                   **quantize_block_drafter(src, out, scheme, cfg.method)}
+                   **quantize_drafter(src, out, scheme, cfg.method)}
         (out / "quantization.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
     model_cfg = load_config(src)

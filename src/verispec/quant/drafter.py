@@ -35,7 +35,7 @@ FEATURE_PROJECTIONS = tuple(p if p.startswith("mlp.") else f"self_attn.{p}" for 
 COPIED = ("draft_vocab.json", "calibration.json")
 
 
-def quantize_block_drafter(src: Path, out: Path, scheme: QuantScheme, method: str) -> dict:
+def quantize_drafter(src: Path, out: Path, scheme: QuantScheme, method: str) -> dict:
     """Write a pack-quantized copy of the block or feature drafter at `src` into `out`; returns which modules were
     quantized (quant.convert.quantize_checkpoint adds the settings and writes quantization.json)."""
     if method != "rtn":
@@ -70,7 +70,7 @@ def quantize_block_drafter(src: Path, out: Path, scheme: QuantScheme, method: st
     return {"quantized": names, "dense": list(dense)}
 
 
-def take_block_quantized(
+def take_drafter_quantized(
     meta: dict, model: nn.Module, state: dict[str, torch.Tensor], where: str | Path
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]]:
     """A block or feature drafter checkpoint's quantized Linears, checked and unpacked and taken out of `state` (see
@@ -89,7 +89,7 @@ def take_block_quantized(
 def install_quantized(
     model: nn.Module, quantized: dict[str, tuple[torch.Tensor, torch.Tensor, QuantScheme, torch.Tensor | None]]
 ) -> None:
-    """Replace each named Linear of `model` by the QuantLinear of take_block_quantized's values."""
+    """Replace each named Linear of `model` by the QuantLinear of take_drafter_quantized's values."""
     for name, (q, scales, scheme, bias) in quantized.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, QuantLinear(q, scales, scheme.bits, bias, scheme.act_bits))
