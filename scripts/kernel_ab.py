@@ -1,6 +1,6 @@
-"""In-process A/B of the native kernels against another git revision's: builds REV's kernel library (gemm.c,
-attention.c, decoder.c, ...; qgemm.c stays the working tree's) beside the working tree's, then times one target's
-forwards with each, the active library swapped call by call (interleaved, order reversed every other repeat,
+"""In-process A/B of the native kernels against another git revision's: builds REV's kernel libraries (gemm.c,
+attention.c, decoder.c, ... and qgemm.c's, which an int8/int4 target's matmuls call) beside the working tree's, then
+times one target's forwards with each, the active libraries swapped call by call (interleaved, order reversed every other repeat,
 medians), and says whether their outputs are bit-identical. Whole runs on a shared host drift by more than most
 kernel changes; calls side by side in one process do not.
     python scripts/kernel_ab.py --base HEAD~1 --target bf16 --contexts 150,1000,1800 --rows 1,9 --prefill 1000
@@ -9,6 +9,7 @@ kernel changes; calls side by side in one process do not.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import subprocess
 import tempfile
@@ -25,16 +26,26 @@ from verispec.kernels import native
 
 
 def base_library(rev: str, isa: str):
-    """REV's kernel sources and headers, built for `isa` (cached by content like the working tree's)."""
+    """REV's kernel sources and headers, built for `isa` (cached by content like the working tree's): the main
+    library and qgemm.c's."""
     with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:
         src = Path(tmp)
-        for path in (*native.SOURCES, *native.HEADERS):
+        for path in (*native.SOURCES, *native.QSOURCES, *native.HEADERS):
             rel = path.relative_to(qr.ROOT)
             text = subprocess.run(["git", "-C", str(qr.ROOT), "show", f"{rev}:{rel}"], check=True,
                                   capture_output=True).stdout
             (src / path.name).write_bytes(text)
-        return native._declare(native.build_library(f"{isa}-base", tuple(src / p.name for p in native.SOURCES),
-                                                    (*native.FLAGS, *native._ISA_FLAGS[isa])))
+        flags = (*native.FLAGS, *native._ISA_FLAGS[isa])
+        main = native._declare(native.build_library(f"{isa}-base", tuple(src / p.name for p in native.SOURCES), flags))
+        qlib = native.build_library(f"q{isa}-base", tuple(src / p.name for p in native.QSOURCES), flags)
+        return main, qlib
+
+
+def activate(libs: tuple) -> None:
+    """Make (main library, qgemm library) the active kernels: decoder.c reads qgemm's vs_qlinear by address."""
+    isa = native.isa()
+    native._state["lib"], native._qlibs[isa] = libs
+    native._qaddrs[isa] = ctypes.cast(libs[1].vs_qlinear, ctypes.c_void_p).value
 
 
 def main() -> None:
@@ -50,7 +61,10 @@ def main() -> None:
     target = LLM(tdir).target
     if native.library() is None:
         raise SystemExit("error: no native kernels on this machine")
-    libs = {"base": base_library(args.base, native.isa()), "tree": native.library()}
+    native.qavailable()  # the working tree's qgemm library declared before REV's is built beside it
+    libs = {"base": base_library(args.base, native.isa()), "tree": (native.library(), native._qlibrary())}
+    for name in ("restype", "argtypes"):  # native.qlinear's ctypes signature (the LM head may call it from Python)
+        setattr(libs["base"][1].vs_qlinear, name, getattr(libs["tree"][1].vs_qlinear, name))
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     longest = max([*contexts, args.prefill]) + max(rows)
@@ -79,14 +93,14 @@ def main() -> None:
     with torch.inference_mode():
         for name, (ctx, run, reps) in cases.items():
             if ctx is not None:  # the cache filled once, by the working tree's kernels, for both arms
-                native._state["lib"] = libs["tree"]
+                activate(libs["tree"])
                 cache.truncate(0)
                 target(ids[:, :ctx], cache=cache, num_logits=0)
             seconds: dict[str, list[float]] = {k: [] for k in libs}
             out = {}
             for i in range(reps):
                 for k in (list(libs) if i % 2 == 0 else list(libs)[::-1]):
-                    native._state["lib"] = libs[k]
+                    activate(libs[k])
                     t0 = time.perf_counter()
                     out[k] = run()
                     seconds[k].append(time.perf_counter() - t0)
@@ -94,7 +108,7 @@ def main() -> None:
             print(f"  {name}: base {med['base']:.3f} ms, working tree {med['tree']:.3f} ms, "
                   f"{med['tree'] / med['base']:.3f}x the time; outputs "
                   f"{'bit-identical' if torch.equal(out['base'], out['tree']) else 'DIFFER'}", flush=True)
-    native._state["lib"] = libs["tree"]
+    activate(libs["tree"])
 
 
 if __name__ == "__main__":

@@ -429,6 +429,8 @@ static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups,
  * An int4 stream's 8-input step holds, per column, nibbles of inputs 0, 2, 4, 6, 1, 3, 5, 7 from bit 0 up: its
  * low nibbles are the bytes of inputs (0, 4, 1, 5), its high ones (2, 6, 3, 7), so x is laid out as those bytes. */
 #if VW == 16
+/* a group's steps unrolled whole (see tile_a8); AVX2 spilled twice as much so, and keeps the loop */
+#define A8_UNROLL _Pragma("GCC unroll 16")
 #define vset1i(v) _mm512_set1_epi32(v)
 #define vsrli4(e) _mm512_srli_epi32(e, 4)
 #define vnib8(e, x88, m0f) _mm512_ternarylogic_epi32(e, x88, m0f, 0x28) /* (e ^ 0x88..) & 0x0F.. */
@@ -439,6 +441,7 @@ static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups,
 #define vdot4(s, w, x, ones) _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones))
 #endif
 #else
+#define A8_UNROLL _Pragma("GCC unroll 1")
 #define vset1i(v) _mm256_set1_epi32(v)
 #define vsrli4(e) _mm256_srli_epi32(e, 4)
 #define vnib8(e, x88, m0f) _mm256_and_si256(_mm256_xor_si256(e, x88), m0f)
@@ -447,12 +450,16 @@ static int qlinear_k16(const float *xbuf, int64_t M, int64_t G2, int64_t groups,
 #endif
 
 /* One tile of R rows x NV vectors: x this tile's rows, per group, per 8-input step o, per row two int32 of bytes
- * (inputs 0, 4, 1, 5 and 2, 6, 3, 7); xs, xc: the rows' per-group s and 8 * sum(q), `groups` apart. */
-static inline __attribute__((always_inline)) void tile_a8(const int R, const int NV, const int32_t *x,
+ * (inputs 0, 4, 1, 5 and 2, 6, 3, 7); xs, xc: the rows' per-group s and 8 * sum(q), `groups` apart. G8C: the
+ * steps per group where the call site knows them (4: groups of 32, 16: of 128), else 0 (G8 at run time): a
+ * group's steps then unroll whole, and no sum is carried round a loop (GCC copied every carried sum between
+ * registers at the loop's end, 34 moves per 144 vpdpbusd at 9 x 2). */
+static inline __attribute__((always_inline)) void tile_a8(const int R, const int NV, const int G8C, const int32_t *x,
                                                           const float *xs, const int32_t *xc, int64_t G8,
                                                           int64_t groups, const char *w, int64_t bstride,
                                                           const float *bias, void *y, int64_t N, int out_bf16,
                                                           int64_t n0) {
+    if (G8C) G8 = G8C;
     const int64_t gbytes = G8 * 4 * BLOCK + SCALE_BYTES; /* an 8-input step is 4 bytes a column */
     const vi x88 = vset1i((int)0x88888888u), m0f = vset1i(0x0F0F0F0F), ones = vset1i(0x00010001);
     (void)ones; /* vpmaddwd's pair sums (no VNNI) */
@@ -467,20 +474,41 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
         }
         const char *wg = w + g * gbytes;
         const int32_t *xg = x + g * G8 * R * 2;
-        _Pragma("GCC unroll 1") for (int64_t o = 0; o < G8; o++) {
+        A8_UNROLL for (int64_t o = 0; o < G8; o++) {
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)  /* twice W4A16's distance: twice its pace */
                 _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + 2 * PREFETCH, PF_HINT);
-            /* the low nibbles' weights for every vector, then every row; then the high ones: NV weights live */
-            _Pragma("GCC unroll 2") for (int hi = 0; hi < 2; hi++) {
-                vi wt[NV_WIDE];
+            const int32_t *xp = xg + o * R * 2;
+            if (VW == 16) {
+                /* both nibbles' weights for every vector, then row by row both broadcasts: 2 * NV weights, R * NV
+                 * sums and two broadcasts live. Unpacking per nibble in two passes left GCC copying and spilling
+                 * the sums every step (12 register moves and 8 spills a step at 9 x 2, read off the assembly);
+                 * integer sums are exact in any order, so the products' order is free. */
+                vi lo[NV_WIDE], hi[NV_WIDE];
                 _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
                     const vi e = vloadi(wg + (v / VPB) * bstride + o * 4 * BLOCK + (v % VPB) * 32);
-                    wt[v] = vnib8(hi ? vsrli4(e) : e, x88, m0f);
+                    lo[v] = vnib8(e, x88, m0f);
+                    hi[v] = vnib8(vsrli4(e), x88, m0f);
                 }
-                const int32_t *xp = xg + o * R * 2 + hi;
                 _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
-                    const vi b = vset1i(xp[2 * m]);
-                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vdot4(s[m][v], wt[v], b, ones);
+                    const vi bl = vset1i(xp[2 * m]), bh = vset1i(xp[2 * m + 1]);
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                        s[m][v] = vdot4(s[m][v], lo[v], bl, ones);
+                        s[m][v] = vdot4(s[m][v], hi[v], bh, ones);
+                    }
+                }
+            } else {
+                /* AVX2's 16 registers: the low nibbles' weights for every vector, then every row; then the high
+                 * ones (NV weights live, not 2 * NV) */
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                    vi wt[NV_WIDE];
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+                        const vi e = vloadi(wg + (v / VPB) * bstride + o * 4 * BLOCK + (v % VPB) * 32);
+                        wt[v] = vnib8(h ? vsrli4(e) : e, x88, m0f);
+                    }
+                    _Pragma("GCC unroll 12") for (int m = 0; m < R; m++) {
+                        const vi bx = vset1i(xp[2 * m + h]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[m][v] = vdot4(s[m][v], wt[v], bx, ones);
+                    }
                 }
             }
         }
@@ -501,12 +529,17 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
 
 typedef void (*a8tile_fn)(const int32_t *x, const float *xs, const int32_t *xc, int64_t G8, int64_t groups,
                           const char *w, int64_t bstride, const float *bias, void *y, int64_t N, int ob, int64_t n0);
-#define INST_A8(R, NV)                                                                                             \
-    static __attribute__((noinline)) void a8_##R##_##NV(const int32_t *x, const float *xs, const int32_t *xc,     \
-                                                        int64_t G8, int64_t groups, const char *w, int64_t bstride, \
-                                                        const float *bias, void *y, int64_t N, int ob, int64_t n0) { \
-        tile_a8(R, NV, x, xs, xc, G8, groups, w, bstride, bias, y, N, ob, n0);                                    \
+#define INST_A8G(R, NV, G)                                                                                         \
+    static __attribute__((noinline)) void a8_##R##_##NV##_##G(const int32_t *x, const float *xs, const int32_t *xc, \
+                                                              int64_t G8, int64_t groups, const char *w,          \
+                                                              int64_t bstride, const float *bias, void *y, int64_t N, \
+                                                              int ob, int64_t n0) {                               \
+        tile_a8(R, NV, G, x, xs, xc, G8, groups, w, bstride, bias, y, N, ob, n0);                                 \
     }
+/* each tile for groups of 32 and 128 inputs (4 and 16 steps) and any other (0) */
+#define INST_A8(R, NV) INST_A8G(R, NV, 4) INST_A8G(R, NV, 16) INST_A8G(R, NV, 0)
+#define A8_G8S 3
+#define A8_GI(G8) ((G8) == 4 ? 0 : (G8) == 16 ? 1 : 2)
 /* Tile shapes: GCC keeps at most ~18 int32 sums in registers here (a 6 x 4 or 10 x 2 tile spilled and ran at
  * 70% of a 4 x 4's 3.3 G vpdpbusd/s a core, Zen 4). AVX-512: 1-2 rows x 4 vectors, 3-9 rows x 2 (a verify of
  * k = 8 in one tile; at 3-4 rows the 4 x 4 tile's sums rotate through registers and spill each step, and the
@@ -516,20 +549,22 @@ typedef void (*a8tile_fn)(const int32_t *x, const float *xs, const int32_t *xc, 
 #define A8_ROWS 9
 #define INST_A8_4(R) INST_A8(R, 1) INST_A8(R, 2) INST_A8(R, 3) INST_A8(R, 4)
 #define INST_A8_2(R) INST_A8(R, 1) INST_A8(R, 2)
-#define A8_4(R) {a8_##R##_1, a8_##R##_2, a8_##R##_3, a8_##R##_4}
-#define A8_2(R) {a8_##R##_1, a8_##R##_2, 0, 0}
+#define A8_4(R, G) {a8_##R##_1_##G, a8_##R##_2_##G, a8_##R##_3_##G, a8_##R##_4_##G}
+#define A8_2(R, G) {a8_##R##_1_##G, a8_##R##_2_##G, 0, 0}
+#define A8_TABLE(G) {{0}, A8_4(1, G), A8_4(2, G), A8_2(3, G), A8_2(4, G), A8_2(5, G), A8_2(6, G), A8_2(7, G), \
+                     A8_2(8, G), A8_2(9, G)}
 INST_A8_4(1) INST_A8_4(2)
 INST_A8_2(3) INST_A8_2(4) INST_A8_2(5) INST_A8_2(6) INST_A8_2(7) INST_A8_2(8) INST_A8_2(9)
-static const a8tile_fn a8_table[A8_ROWS + 1][NV_WIDE] = {
-    {0}, A8_4(1), A8_4(2), A8_2(3), A8_2(4), A8_2(5), A8_2(6), A8_2(7), A8_2(8), A8_2(9)};
+static const a8tile_fn a8_table[A8_G8S][A8_ROWS + 1][NV_WIDE] = {A8_TABLE(4), A8_TABLE(16), A8_TABLE(0)};
 /* rows per chunk and vectors per unit for M rows */
 #define A8_MR(M) ((M) <= 4 ? 4 : (M) <= 9 ? 9 : 8)
 #define A8_NV(M) ((M) <= 2 ? 4 : 2)
 #else
 #define A8_ROWS 4
 INST_A8(1, 1) INST_A8(1, 2) INST_A8(2, 1) INST_A8(2, 2) INST_A8(3, 1) INST_A8(3, 2) INST_A8(4, 1) INST_A8(4, 2)
-static const a8tile_fn a8_table[A8_ROWS + 1][NV_WIDE] = {
-    {0}, {a8_1_1, a8_1_2}, {a8_2_1, a8_2_2}, {a8_3_1, a8_3_2}, {a8_4_1, a8_4_2}};
+#define A8_TABLE(G) {{0}, {a8_1_1_##G, a8_1_2_##G}, {a8_2_1_##G, a8_2_2_##G}, {a8_3_1_##G, a8_3_2_##G},           \
+                     {a8_4_1_##G, a8_4_2_##G}}
+static const a8tile_fn a8_table[A8_G8S][A8_ROWS + 1][NV_WIDE] = {A8_TABLE(4), A8_TABLE(16), A8_TABLE(0)};
 #define A8_MR(M) 4
 #define A8_NV(M) 2
 #endif
@@ -655,7 +690,7 @@ static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const 
             const char *wb = (const char *)wp + (size_t)(v0 / VPB) * bstride + (v0 % VPB) * 32;
             for (int64_t m0 = 0; m0 < M; m0 += mr) {
                 const int rows = (int)(M - m0 < mr ? M - m0 : mr);
-                a8_table[rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb,
+                a8_table[A8_GI(G8)][rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb,
                                        bstride, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
             }
         }
