@@ -57,6 +57,17 @@
 #ifndef PREFETCH
 #define PREFETCH 1024
 #endif
+/* W4A8's distance. AVX-512: 16 KB, several blocks' streams ahead (a thread's units are adjacent blocks); at 2 KB a
+ * verify step's tiles still waited on memory: the w4a8-head forward ran 0.96 / 0.96 / 0.95 / 0.95x the time at 1 /
+ * 3 / 5 / 9 rows at 16 KB (scripts/kernel_ab.py, Zen 4; 4 KB no gain, 32 KB as 16). AVX2, at half the pace, ran
+ * 1.04-1.05x the time at 5-9 rows with 16 KB and keeps twice W4A16's distance. */
+#ifndef A8_PREFETCH
+#if defined(__AVX512F__)
+#define A8_PREFETCH 16384
+#else
+#define A8_PREFETCH (2 * PREFETCH)
+#endif
+#endif
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
@@ -475,8 +486,8 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
         const char *wg = w + g * gbytes;
         const int32_t *xg = x + g * G8 * R * 2;
         A8_UNROLL for (int64_t o = 0; o < G8; o++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)  /* twice W4A16's distance: twice its pace */
-                _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + 2 * PREFETCH, PF_HINT);
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)
+                _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH, PF_HINT);
             const int32_t *xp = xg + o * R * 2;
             if (VW == 16) {
                 /* both nibbles' weights for every vector, then row by row both broadcasts: 2 * NV weights, R * NV
