@@ -5,6 +5,9 @@ medians), and says whether their outputs are bit-identical. Whole runs on a shar
 kernel changes; calls side by side in one process do not.
     python scripts/kernel_ab.py --base HEAD~1 --target bf16 --contexts 150,1000,1800 --rows 1,9 --prefill 1000
 --target: a name of quant_report.py's copies (bf16 is zoo/target; the others are made under .cache/quant if missing).
+--generate ARMS (e.g. plain,ngram@dspark) adds end-to-end cases: each arm's greedy generations over the short
+bucket's prompts (quant_report.py's), prefill included, each kernel build with its own LLM (its own acceptance
+estimate), outputs compared token for token.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from verispec.api import LLM
 from verispec.cache import KVCache
+from verispec.sampling import SamplingParams
 from verispec.kernels import native
 
 
@@ -56,9 +60,13 @@ def main() -> None:
     ap.add_argument("--rows", default="1,9", help="rows a timed step verifies")
     ap.add_argument("--prefill", type=int, default=1000, help="tokens of a timed prefill (0: none)")
     ap.add_argument("--repeats", type=int, default=150)
+    ap.add_argument("--generate", default="", help="drafter arms timed end to end (plain, ngram@dspark, ...)")
+    ap.add_argument("--gen-prompts", type=int, default=8, help="short-bucket prompts per generate case")
+    ap.add_argument("--gen-tokens", type=int, default=128, help="new tokens per generation")
     args = ap.parse_args()
     tdir = qr.copy_dir(args.target)
-    target = LLM(tdir).target
+    plain = LLM(tdir)
+    target = plain.target
     if native.library() is None:
         raise SystemExit("error: no native kernels on this machine")
     native.qavailable()  # the working tree's qgemm library declared before REV's is built beside it
@@ -89,6 +97,18 @@ def main() -> None:
     if args.prefill:  # a prefill costs ~100 steps: fewer repeats
         cases[f"prefill {args.prefill}"] = (None, prefill(args.prefill), max(args.repeats // 12, 3))
     cases.update({f"{r} rows at {c}": (c, step(c, r), args.repeats) for c in contexts for r in rows})
+    if args.generate:
+        prompts, _ = qr.bucket_prompts("short", plain.tokenizer, args.gen_prompts, args.gen_tokens, 64)
+        params = SamplingParams(max_tokens=args.gen_tokens, ignore_eos=True)
+        for arm in args.generate.split(","):
+            spec = qr.base(arm)
+            llms = {k: plain if spec == "plain" else LLM(target, drafter=spec, k=8, policy="dspark" if arm.endswith(
+                qr.DSPARK) else "fixed") for k in libs}
+
+            def gen(llms=llms) -> torch.Tensor:  # the active build's LLM (its own estimator)
+                llm = llms["tree" if native._state["lib"] is libs["tree"][0] else "base"]
+                return torch.tensor([t for r in llm.generate(prompts, params) for t in r.token_ids])
+            cases[f"generate {arm}"] = (None, gen, max(args.repeats // 30, 3))
     print(f"{args.target}, kernels {native.isa()}, {torch.get_num_threads()} threads, base {args.base}")
     with torch.inference_mode():
         for name, (ctx, run, reps) in cases.items():
