@@ -1,8 +1,8 @@
 """In-process A/B of the native kernels against another git revision's: builds REV's kernel libraries (gemm.c,
 attention.c, decoder.c, ... and qgemm.c's, which an int8/int4 target's matmuls call) beside the working tree's, then
 times one target's forwards with each, the active libraries swapped call by call (interleaved, order reversed every
-other repeat, medians), and says whether their outputs are bit-identical. Whole runs on a shared host drift by more than most
-kernel changes; calls side by side in one process do not.
+other repeat, medians), and says whether their outputs are bit-identical. Whole runs on a shared host drift by more
+than most kernel changes; calls side by side in one process do not.
     python scripts/kernel_ab.py --base HEAD~1 --target bf16 --contexts 150,1000,1800 --rows 1,9 --prefill 1000
 --target: a name of quant_report.py's copies (bf16 is zoo/target; the others are made under .cache/quant if missing).
 --generate ARMS (e.g. plain,ngram@dspark) adds end-to-end cases: each arm's greedy generations over the short
