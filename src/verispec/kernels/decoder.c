@@ -33,6 +33,33 @@
 #include "vecmath.h"
 #include "weights.h"
 
+/* Built with -DVS_PHASES (scripts/step_phases.py only): a forward adds its wall seconds per phase to vs_phases,
+ * read through vs_phase_times(); each PHASE_END(ph) charges the time since the last mark to ph. The library the
+ * package builds has none of it. */
+#ifdef VS_PHASES
+#include <time.h>
+enum { PH_MATMUL, PH_ATTENTION, PH_HEAD, PH_SILU, PH_NORMS, PH_OTHER, PH_TOTAL, PHASES };
+static double vs_phases[PHASES];
+double *vs_phase_times(void) { return vs_phases; }
+static inline double phase_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PHASE_START double phase_t0_ = phase_now(), phase_first_ = phase_t0_
+#define PHASE_END(ph)                                                                                                \
+    do {                                                                                                             \
+        const double t_ = phase_now();                                                                               \
+        vs_phases[ph] += t_ - phase_t0_;                                                                             \
+        phase_t0_ = t_;                                                                                              \
+    } while (0)
+#define PHASE_TOTAL vs_phases[PH_TOTAL] += phase_now() - phase_first_
+#else
+#define PHASE_START
+#define PHASE_END(ph)
+#define PHASE_TOTAL
+#endif
+
 typedef struct {
     vs_weight qkv, o, gate_up, down;
     const float *qkv_bias, *o_bias;       /* pad_bias()ed, or NULL */
@@ -175,6 +202,7 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
     const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
     const int bf16 = m->act_bf16;
     const int staged = m->w_in.data != NULL;
+    PHASE_START;
     if (N <= 0 || D % 8 != 0 || D > 256 || Hkv <= 0 || H % Hkv != 0 || staged != (feats != NULL)) return -2;
     int64_t total = 0;
     for (int64_t s = 0; s < nseq; s++) {
@@ -250,15 +278,18 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
             memcpy(cs + (r + t) * 2 * D + D, m->sin + at * D, (size_t)D * sizeof(float));
         }
     if (hidden && hidden[0]) store_act(x, N * d, bf16, hidden[0]);
+    PHASE_END(PH_OTHER); /* checks, embedding, RoPE tables */
     const int par = N > 32 && threads > 1; /* a prefill's elementwise work is worth the second core */
     const int par_silu = N >= 4 && threads > 1; /* SiLU's exp and division pay for a fork from a few rows */
     for (int64_t l = 0; l < m->layers; l++) {
         const vs_layer *L = m->layer + l;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln1, d, m->eps, bf16, h + r * d);
+        PHASE_END(PH_NORMS);
         if ((rc = weight_matmul(&L->qkv, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, L->qkv_bias, nqkv, big,
                                 threads)))
             goto done;
+        PHASE_END(PH_MATMUL);
         round_all(big, N * nqkv, bf16);
         /* RoPE and the cache write, every sequence's rows in one loop */
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
@@ -292,31 +323,43 @@ int vs_decoder_forward(const vs_model *m, const int64_t *tokens, const float *fe
                                     S->tails ? S->seen : S->cached, S->tails, S->ntail, S->tail_stride,
                                     (int)S->kv_bf16};
         }
+        PHASE_END(PH_OTHER); /* rounding, RoPE, the cache write */
         if ((rc = vs_attention_batch(jobs, nseq, H, D, Hkv, 1.0f / sqrtf((float)D), threads))) goto done;
+        PHASE_END(PH_ATTENTION);
         round_all(att, N * nq, bf16);
+        PHASE_END(PH_OTHER);
         if ((rc = weight_matmul(&L->o, qlin, mm_input(att, N * nq, bf16, bits), bf16, N, nq, L->o_bias, d, h, threads)))
             goto done;
+        PHASE_END(PH_MATMUL);
         residual(x, h, N * d, bf16);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t r = 0; r < N; r++) rmsnorm(x + r * d, L->ln2, d, m->eps, bf16, h + r * d);
+        PHASE_END(PH_NORMS); /* with the residual before it */
         if ((rc = weight_matmul(&L->gate_up, qlin, mm_input(h, N * d, bf16, bits), bf16, N, d, NULL, 2 * F, big,
                                 threads)))
             goto done;
+        PHASE_END(PH_MATMUL);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par_silu)
         for (int64_t r = 0; r < N; r++) silu_mul(big + r * 2 * F, F, bf16);
+        PHASE_END(PH_SILU);
         float *gate = big; /* rows 2F apart: compact them for the down projection */
         for (int64_t r = 1; r < N; r++) memmove(gate + r * F, gate + r * 2 * F, (size_t)F * sizeof(float));
+        PHASE_END(PH_OTHER);
         if ((rc = weight_matmul(&L->down, qlin, mm_input(gate, N * F, bf16, bits), bf16, N, F, NULL, d, h, threads)))
             goto done;
+        PHASE_END(PH_MATMUL);
         residual(x, h, N * d, bf16);
         if (hidden && hidden[l + 1]) store_act(x, N * d, bf16, hidden[l + 1]);
     }
+    PHASE_END(PH_OTHER);
     if (n_logits > 0) {
         for (int64_t i = 0; i < n_logits; i++)
             rmsnorm(x + logit_rows[i] * d, m->final_norm, d, m->eps, bf16, h + i * d);
         rc = weight_matmul_to(&m->lm_head, qlin, mm_input(h, n_logits * d, bf16, bits), bf16, n_logits, d, NULL,
                               m->head_rows, logits, bf16, threads);
+        PHASE_END(PH_HEAD);
     }
+    PHASE_TOTAL;
 done:
     free(x);
     free(h);
