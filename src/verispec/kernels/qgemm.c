@@ -576,18 +576,13 @@ typedef void (*a8tile_fn)(const int32_t *x, const float *xs, const int32_t *xc, 
                                                               int ob, int64_t n0) {                               \
         tile_a8(R, NV, G, x, xs, xc, G8, groups, w, bstride, bias, y, N, ob, n0);                                 \
     }
-/* AVX-512: each tile for groups of 32 and 128 inputs (4 and 16 steps, unrolled whole) and any other (0). AVX2 keeps
- * its loop (one tile for all): specialised, a whole greedy generation on w4a8-head ran 1.03x the time (Zen 4, the
- * AVX2 build, 30 interleaved repeats) though single forwards did not move. */
-#if VW == 16
+/* Each tile for groups of 32 and 128 inputs (4 and 16 steps) and any other (0), except AVX2's one-row tiles, which
+ * keep one tile for all: on the AVX2 build (Zen 4, kernel_ab, 30 interleaved repeats) the specialised tiles made
+ * verify steps and prefills 0.92-0.95x the time and a whole ngram@dspark generation on w4a8-head 0.98x, but a plain
+ * one (one-row steps) 1.06x. */
 #define INST_A8(R, NV) INST_A8G(R, NV, 4) INST_A8G(R, NV, 16) INST_A8G(R, NV, 0)
 #define A8_G8S 3
 #define A8_GI(G8) ((G8) == 4 ? 0 : (G8) == 16 ? 1 : 2)
-#else
-#define INST_A8(R, NV) INST_A8G(R, NV, 0)
-#define A8_G8S 1
-#define A8_GI(G8) 0
-#endif
 /* Tile shapes: GCC keeps at most ~18 int32 sums in registers here (a 6 x 4 or 10 x 2 tile spilled and ran at
  * 70% of a 4 x 4's 3.3 G vpdpbusd/s a core, Zen 4). AVX-512: 1-2 rows x 4 vectors, 3-9 rows x 2 (a verify of
  * k = 8 in one tile; at 3-4 rows the 4 x 4 tile's sums rotate through registers and spill each step, and the
@@ -609,10 +604,11 @@ static const a8tile_fn a8_table[A8_G8S][A8_ROWS + 1][NV_WIDE] = {A8_TABLE(4), A8
 #define A8_NV(M) ((M) <= 2 ? 4 : 2)
 #else
 #define A8_ROWS 4
-INST_A8(1, 1) INST_A8(1, 2) INST_A8(2, 1) INST_A8(2, 2) INST_A8(3, 1) INST_A8(3, 2) INST_A8(4, 1) INST_A8(4, 2)
-#define A8_TABLE(G) {{0}, {a8_1_1_##G, a8_1_2_##G}, {a8_2_1_##G, a8_2_2_##G}, {a8_3_1_##G, a8_3_2_##G},           \
+INST_A8G(1, 1, 0) INST_A8G(1, 2, 0)
+INST_A8(2, 1) INST_A8(2, 2) INST_A8(3, 1) INST_A8(3, 2) INST_A8(4, 1) INST_A8(4, 2)
+#define A8_TABLE(G) {{0}, {a8_1_1_0, a8_1_2_0}, {a8_2_1_##G, a8_2_2_##G}, {a8_3_1_##G, a8_3_2_##G},               \
                      {a8_4_1_##G, a8_4_2_##G}}
-static const a8tile_fn a8_table[A8_G8S][A8_ROWS + 1][NV_WIDE] = {A8_TABLE(0)};
+static const a8tile_fn a8_table[A8_G8S][A8_ROWS + 1][NV_WIDE] = {A8_TABLE(4), A8_TABLE(16), A8_TABLE(0)};
 #define A8_MR(M) 4
 #define A8_NV(M) 2
 #endif
