@@ -25,8 +25,8 @@ import torch
 
 from verispec.api import LLM
 from verispec.cache import KVCache
-from verispec.sampling import SamplingParams
 from verispec.kernels import native
+from verispec.sampling import SamplingParams
 
 
 def base_library(rev: str, isa: str):

@@ -735,7 +735,8 @@ static int qlinear_a8(const void *x, int in_bf16, int64_t M, int64_t ldx, const 
             for (int64_t m0 = 0; m0 < M; m0 += mr) {
                 const int rows = (int)(M - m0 < mr ? M - m0 : mr);
                 a8_table[A8_GI(G8)][rows][nv - 1](xq + m0 * K8 * 2, xs + m0 * groups, xc + m0 * groups, G8, groups, wb,
-                                       bstride, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16, v0 * VW);
+                                                  bstride, bias, (char *)y + (size_t)m0 * N * yelt, N, out_bf16,
+                                                  v0 * VW);
             }
         }
     }
