@@ -707,6 +707,15 @@ class InputStage:
     w_in: Packed | QPacked  # [d, 2 d]
 
 
+@dataclass(frozen=True)
+class BoundCache:
+    """One sequence's KV cache described for decoder.c once (Decoder.bind). It points at the cache's memory: its
+    holder keeps k and v alive, and unmoved, for as long as it uses the binding."""
+
+    seqs: ctypes.Array  # SeqDesc * 1, rows / cached / first set per call
+    capacity: int
+
+
 class Decoder:
     """A decoder's weights described for decoder.c, checked once here (dtypes, devices, contiguity, every packed
     shape against the dimensions); keeps a reference to every tensor it points at. The activations are in `dtype`
@@ -790,39 +799,15 @@ class Decoder:
         feats: torch.Tensor | None = None,  # [N, d] fp32: the input stage's features (exactly where it has one)
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, head rows], {layer: [N, d]}, model's dtype
         """Every sequence's rows after its cache's `cached` entries, written to the cache (the caller commits)."""
-        lib = _required()
-        if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous() or tokens.device.type != "cpu":
-            raise ValueError("native decoder: tokens must be a contiguous CPU int64 [N]")
-        n = tokens.shape[0]  # token ids and logit rows are range-checked in C (-3, -4), before anything is written
-        if (feats is not None) != self.staged:
-            raise ValueError("native decoder: features go with an input stage, and only there")
-        if feats is not None:
-            _cpu(feats, "decoder features")
-            if feats.shape != (n, self.d) or not feats.is_contiguous():
-                raise ValueError(f"native decoder: features must be a contiguous fp32 [{n}, {self.d}]")
-        if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous() or logit_rows.dim() != 1:
-            raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
+        n = self._check_inputs(tokens, logit_rows, feats)
         seqs = (SeqDesc * max(1, len(caches)))()
         rows = 0
-        shape = (self.num_layers, self.kv_heads)
-        # a bf16 cache holds an fp32 model's keys rounded: only a bf16 model's (bf16 values) go there
-        kv_dtypes = (torch.float32, torch.bfloat16) if self.dtype == torch.bfloat16 else (torch.float32,)
         trees = []  # kept alive until the call returns
         for i, (k, v, cached, count, *rest) in enumerate(caches):
             first = rest[0] if rest else cached
             tree = rest[1] if len(rest) > 1 else None
-            for t in (k, v):
-                _cpu(t, "decoder cache", kv_dtypes)
-            if (k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or tuple(k.shape[:2]) != shape
-                    or k.shape[3] != self.head_dim or k.stride(3) != 1 or k.stride(2) != self.head_dim):
-                raise ValueError(f"native decoder: cache {i} must be {' or '.join(map(str, kv_dtypes))} [{shape[0]}, "
-                                 f"{shape[1]}, S, {self.head_dim}] with contiguous rows, k and v in one layout")
-            if cached < 0 or count < 0 or cached + count > k.shape[2]:
-                raise ValueError(f"KV cache overflow: {cached + count} positions > capacity {k.shape[2]}")
-            if first < cached:
-                raise ValueError(f"native decoder: cache {i}'s first position {first} is below its {cached} rows")
-            if first + count > self.desc.max_pos:
-                raise ValueError(f"native decoder: position {first + count - 1} past the RoPE table")
+            self._check_cache(i, k, v)
+            self._check_rows(i, cached, count, first, k.shape[2])
             ptrs = (None, None, None, 0, 0)
             if tree is not None:  # tails [rows, W] (tree_rows of a mask over cached + rows columns): the last W
                 pos, tails, ntail = (x.to(torch.int64).contiguous() for x in tree)
@@ -838,6 +823,79 @@ class Decoder:
             rows += count
         if rows != n:
             raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")
+        return self._run(tokens, n, seqs, len(caches), logit_rows, hidden_layers, feats)
+
+    def bind(self, k: torch.Tensor, v: torch.Tensor) -> BoundCache:
+        """One sequence's cache k, v [L, Hkv, S, D] checked once (as forward checks each call) for forward_bound."""
+        self._check_cache(0, k, v)
+        seqs = (SeqDesc * 1)()
+        seqs[0] = SeqDesc(0, 0, 0, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2], None, None,
+                          None, 0, 0, k.dtype == torch.bfloat16)
+        return BoundCache(seqs, k.shape[2])
+
+    def forward_bound(
+        self,
+        tokens: torch.Tensor,  # [N] int64: every sequence's new tokens, back to back
+        seqs: list[tuple[BoundCache, int, int, int]],  # per sequence: its cache (bind()'s), cached, rows, first
+        logit_rows: torch.Tensor,  # [M] int64
+        hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """forward() of causal rows over bound caches: a decode or verify step without re-checking each cache's
+        layout every call (this Python ran at 3-5x its warm cost right after a forward's kernels had run)."""
+        n = self._check_inputs(tokens, logit_rows, None)
+        rows = 0
+        for i, (bound, cached, count, first) in enumerate(seqs):
+            self._check_rows(i, cached, count, first, bound.capacity)
+            rows += count
+        if rows != n:
+            raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")
+        if len(seqs) == 1:  # a cache serves one forward at a time, so its own descriptor is reused
+            descs = seqs[0][0].seqs
+        else:
+            descs = (SeqDesc * len(seqs))()
+            for i, (bound, _, _, _) in enumerate(seqs):
+                descs[i] = bound.seqs[0]
+        for desc, (_, cached, count, first) in zip(descs, seqs):
+            desc.rows, desc.cached, desc.first = count, cached, first
+        return self._run(tokens, n, descs, len(seqs), logit_rows, hidden_layers, None)
+
+    def _check_inputs(self, tokens: torch.Tensor, logit_rows: torch.Tensor, feats: torch.Tensor | None) -> int:
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous() or tokens.device.type != "cpu":
+            raise ValueError("native decoder: tokens must be a contiguous CPU int64 [N]")
+        n = tokens.shape[0]  # token ids and logit rows are range-checked in C (-3, -4), before anything is written
+        if (feats is not None) != self.staged:
+            raise ValueError("native decoder: features go with an input stage, and only there")
+        if feats is not None:
+            _cpu(feats, "decoder features")
+            if feats.shape != (n, self.d) or not feats.is_contiguous():
+                raise ValueError(f"native decoder: features must be a contiguous fp32 [{n}, {self.d}]")
+        if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous() or logit_rows.dim() != 1:
+            raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
+        return n
+
+    def _check_cache(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # a bf16 cache holds an fp32 model's keys rounded: only a bf16 model's (bf16 values) go there
+        kv_dtypes = (torch.float32, torch.bfloat16) if self.dtype == torch.bfloat16 else (torch.float32,)
+        for t in (k, v):
+            _cpu(t, "decoder cache", kv_dtypes)
+        shape = (self.num_layers, self.kv_heads)
+        if (k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or tuple(k.shape[:2]) != shape
+                or k.shape[3] != self.head_dim or k.stride(3) != 1 or k.stride(2) != self.head_dim):
+            raise ValueError(f"native decoder: cache {i} must be {' or '.join(map(str, kv_dtypes))} [{shape[0]}, "
+                             f"{shape[1]}, S, {self.head_dim}] with contiguous rows, k and v in one layout")
+
+    def _check_rows(self, i: int, cached: int, count: int, first: int, capacity: int) -> None:
+        if cached < 0 or count < 0 or cached + count > capacity:
+            raise ValueError(f"KV cache overflow: {cached + count} positions > capacity {capacity}")
+        if first < cached:
+            raise ValueError(f"native decoder: cache {i}'s first position {first} is below its {cached} rows")
+        if first + count > self.desc.max_pos:
+            raise ValueError(f"native decoder: position {first + count - 1} past the RoPE table")
+
+    def _run(self, tokens: torch.Tensor, n: int, seqs: ctypes.Array, nseq: int, logit_rows: torch.Tensor,
+             hidden_layers: tuple[int, ...], feats: torch.Tensor | None,
+             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        lib = _required()
         hidden = {layer: torch.empty(n, self.d, dtype=self.dtype) for layer in hidden_layers}
         if any(not 0 <= layer <= self.num_layers for layer in hidden):
             raise ValueError(f"native decoder: hidden layers lie in [0, {self.num_layers}]")
@@ -848,6 +906,18 @@ class Decoder:
             if logit_rows.numel():
                 raise ValueError("native decoder: logit rows must be a contiguous int64 [M] in [0, 0)")
             return logits, hidden
+        rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), _ptr(feats), n, seqs, nseq, outs,
+                                    logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
+                                    torch.get_num_threads(), _qlinear_address() if self.quantized else None)
+        if rc == -1:
+            raise MemoryError("native decoder: out of memory")
+        if rc == -3:
+            raise ValueError(f"native decoder: token ids must lie in [0, {self.vocab})")
+        if rc == -4:
+            raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
+        if rc != 0:
+            raise ValueError(f"native decoder failed ({rc})")
+        return logits, hidden
         rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), _ptr(feats), n, seqs, len(caches), outs,
                                     logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
                                     torch.get_num_threads(), _qlinear_address() if self.quantized else None)

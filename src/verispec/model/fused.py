@@ -6,6 +6,7 @@ rounding."""
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -112,13 +113,51 @@ class FusedForward(_Watched):
                                       layers, _fp32(model.model.norm.weight), head,
                                       (_fp32(rope.cos), _fp32(rope.sin)))
         self._watch(sources)
+        # binding()'s: per cache, (weak refs to its k and v, their binding, their addresses and shapes then)
+        self._bindings: weakref.WeakKeyDictionary[KVCache, tuple] = weakref.WeakKeyDictionary()
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}  # _logit_rows'
+
+    def binding(self, cache: KVCache) -> native.BoundCache | None:
+        """A one-sequence cache described to decoder.c once (native.Decoder.bind), or None where it cannot be: each
+        forward over it reuses the description. Kept per cache object, weakly (a binding never keeps a cache alive),
+        and made anew when the cache's tensors are replaced, moved or reshaped."""
+        if (bound := self._current(cache)) is not None:
+            return bound
+        k, v = cache.k, cache.v
+        if k.dim() != 5 or k.shape[1] != 1 or not self._writable(cache):
+            return None
+        bound = self.decoder.bind(k[:, 0], v[:, 0])
+        self._bindings[cache] = (weakref.ref(k), weakref.ref(v), bound,
+                                 (k.data_ptr(), v.data_ptr(), k.shape, v.shape))
+        return bound
+
+    def _logit_rows(self, seqlen: int, num_logits: int) -> torch.Tensor:  # [num_logits] int64: the last rows
+        key = (seqlen, num_logits)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = torch.arange(seqlen - num_logits, seqlen)
+            if seqlen <= 64:  # a decode or verify step's shapes recur; a prefill's rarely
+                self._rows[key] = rows
+        return rows
 
     def takes(self, cache: KVCache | PackedBatch | None) -> bool:
         """Whether these caches are ones this model's decoder.c call writes (_writable)."""
-        bf16 = self.decoder.dtype == torch.bfloat16
         if isinstance(cache, PackedBatch):
-            return all(_writable(s.cache, bf16) and s.cache.k.shape[1] == 1 for s in cache.segments)
-        return isinstance(cache, KVCache) and _writable(cache, bf16)
+            return all(self._writable(s.cache) and s.cache.k.shape[1] == 1 for s in cache.segments)
+        return isinstance(cache, KVCache) and self._writable(cache)
+
+    def _current(self, cache: KVCache) -> native.BoundCache | None:
+        """The cache's binding if its tensors are still the same objects at the same addresses and shapes."""
+        entry = self._bindings.get(cache)
+        if entry is None:
+            return None
+        k, v = cache.k, cache.v
+        if entry[0]() is k and entry[1]() is v and entry[3] == (k.data_ptr(), v.data_ptr(), k.shape, v.shape):
+            return entry[2]
+        return None
+
+    def _writable(self, cache: KVCache) -> bool:  # the module's _writable(), which a bound cache passed when bound
+        return self._current(cache) is not None or _writable(cache, self.decoder.dtype == torch.bfloat16)
 
     @staticmethod
     def tree(positions: torch.Tensor | None, mask: torch.Tensor | None, cache: KVCache) -> tuple | None | bool:
@@ -138,11 +177,18 @@ class FusedForward(_Watched):
         tree: tuple | None = None,  # FusedForward.tree(...) of a one-sequence draft tree's forward
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [B, num_logits, V], {layer: [B, T, d]}
         bsz, seqlen = tokens.shape
-        caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position, tree) for b in range(bsz)]
-        rows = torch.arange(seqlen - num_logits, seqlen)
-        if bsz > 1:
-            rows = (rows[None] + seqlen * torch.arange(bsz)[:, None]).reshape(-1)
-        logits, hidden = self.decoder.forward(tokens.reshape(-1).contiguous(), caches, rows, tuple(hidden_layers))
+        if bsz == 1 and tree is None and (bound := self.binding(cache)) is not None:
+            logits, hidden = self.decoder.forward_bound(
+                tokens.reshape(-1), [(bound, cache.length, seqlen, cache.next_position)],
+                self._logit_rows(seqlen, num_logits), tuple(hidden_layers))
+        else:
+            caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position, tree)
+                      for b in range(bsz)]
+            rows = torch.arange(seqlen - num_logits, seqlen)
+            if bsz > 1:
+                rows = (rows[None] + seqlen * torch.arange(bsz)[:, None]).reshape(-1)
+            logits, hidden = self.decoder.forward(tokens.reshape(-1).contiguous(), caches, rows,
+                                                  tuple(hidden_layers))
         cache.advance(seqlen)
         return logits.view(bsz, num_logits, logits.shape[-1]), {i: h.view(bsz, seqlen, h.shape[-1]) for i, h in hidden.items()}
 
@@ -155,10 +201,16 @@ class FusedForward(_Watched):
         trees: Sequence[tuple | None] | None = None,  # per segment FusedForward.tree(...), None for causal rows
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}
         trees = trees or [None] * len(batch.segments)
-        caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length, s.cache.next_position, tree)
-                  for s, tree in zip(batch.segments, trees)]
-        out = self.decoder.forward(tokens.contiguous(), caches, logit_rows.to(torch.int64).contiguous(),
-                                   tuple(hidden_layers))
+        rows = logit_rows.to(torch.int64).contiguous()
+        bound = [self.binding(s.cache) if tree is None else None for s, tree in zip(batch.segments, trees)]
+        if all(b is not None for b in bound):  # causal rows over caches bound before: no per-call layout checks
+            out = self.decoder.forward_bound(
+                tokens.contiguous(), [(b, s.cache.length, s.length, s.cache.next_position)
+                                      for b, s in zip(bound, batch.segments)], rows, tuple(hidden_layers))
+        else:
+            caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length, s.cache.next_position, tree)
+                      for s, tree in zip(batch.segments, trees)]
+            out = self.decoder.forward(tokens.contiguous(), caches, rows, tuple(hidden_layers))
         batch.advance()
         return out
 

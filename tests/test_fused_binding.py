@@ -1,0 +1,113 @@
+"""The native forward's bound caches (model.fused.FusedForward.binding): a cache is described to decoder.c once and
+every later forward over it reuses that description, so they must give exactly what a forward that checks and
+describes the cache afresh gives, notice a cache whose tensors were replaced, keep no cache alive, and still refuse
+rows past a cache's capacity."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from conftest import no_native_reason, tiny_model
+from verispec.cache import KVCache, PackedBatch
+from verispec.kernels import native
+from verispec.model.fused import FusedForward
+
+needs_native = pytest.mark.skipif(not native.available(), reason=no_native_reason())
+TOKENS = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+
+
+def _steps(model, cache: KVCache) -> list[torch.Tensor]:
+    """A prefill, one-token steps, a 5-row verify rolled back to 2 rows, and more steps: each forward's logits."""
+    out = [model(TOKENS[:, :12], cache=cache)[0]]
+    out += [model(TOKENS[:, i : i + 1], cache=cache)[0] for i in range(12, 16)]
+    out.append(model(TOKENS[:, 16:21], cache=cache)[0])
+    cache.truncate(18)
+    out += [model(TOKENS[:, i : i + 1], cache=cache)[0] for i in range(18, 24)]
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_forwards_equal_forwards_that_describe_the_cache_afresh(dtype, monkeypatch):
+    model = tiny_model(1).to(dtype).pack_weights()
+    assert model.matmuls == "native"
+    with torch.inference_mode():
+        bound = _steps(model, KVCache.for_model(model, max_len=40))
+        assert len(model.fused._bindings) == 0  # the cache died with _steps' frame: its binding went with it
+        monkeypatch.setattr(FusedForward, "binding", lambda self, cache: None)
+        afresh = _steps(model, KVCache.for_model(model, max_len=40))
+    assert all(torch.equal(a, b) for a, b in zip(bound, afresh))
+
+
+@needs_native
+def test_a_cache_whose_tensors_are_replaced_is_bound_anew():
+    model = tiny_model(2)
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=16)
+        model(TOKENS[:, :14], cache=cache)
+        first = model.fused.binding(cache)
+        assert first is not None and model.fused.binding(cache) is first  # reused while nothing changed
+        # Grown in place of the old tensors (as a cache that reserves room would): the old binding's capacity of 16
+        # would refuse the next rows, and its pointers would name freed memory.
+        k, v = (torch.zeros(*t.shape[:3], 40, t.shape[4]) for t in (cache.k, cache.v))
+        k[..., :16, :], v[..., :16, :] = cache.k, cache.v
+        cache.k, cache.v = k, v
+        grown = model(TOKENS[:, 14:30], cache=cache)[0]
+        assert model.fused.binding(cache) is not first
+        reference = KVCache.for_model(model, max_len=40)
+        model(TOKENS[:, :14], cache=reference)
+        assert torch.equal(grown, model(TOKENS[:, 14:30], cache=reference)[0])
+
+
+@needs_native
+def test_a_binding_keeps_no_cache_alive():
+    model = tiny_model(0)
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=20)
+        model(TOKENS[:, :5], cache=cache)
+        assert model.fused.binding(cache) is not None
+        alive, tensor = weakref.ref(cache), weakref.ref(cache.k)
+        del cache
+        gc.collect()
+    assert alive() is None and tensor() is None and len(model.fused._bindings) == 0
+
+
+@needs_native
+def test_a_bound_cache_still_refuses_rows_past_its_capacity():
+    model = tiny_model(0)
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=10)
+        model(TOKENS[:, :8], cache=cache)
+        assert model.fused.binding(cache) is not None
+        with pytest.raises(ValueError, match="overflow"):
+            model(TOKENS[:, 8:11], cache=cache)
+        assert cache.length == 8
+        model(TOKENS[:, 8:10], cache=cache)  # exactly full is fine
+        assert cache.length == 10
+
+
+@needs_native
+def test_packed_forwards_over_bound_caches_equal_forwards_that_describe_them_afresh(monkeypatch):
+    model = tiny_model(4)
+
+    def run() -> list[torch.Tensor]:
+        caches = [KVCache.for_model(model, max_len=32) for _ in range(3)]
+        for i, cache in enumerate(caches):  # prompts of different lengths
+            model(TOKENS[:, i : i + 6 + 2 * i], cache=cache, num_logits=0)
+        out = []
+        for lengths in ([1, 1, 1], [3, 1, 5], [1, 2, 1]):
+            batch = PackedBatch.build(caches, lengths, torch.device("cpu"))
+            tokens = torch.cat([TOKENS[0, 20 + i : 20 + i + n] for i, n in enumerate(lengths)])
+            rows = torch.tensor([s.start + s.length - 1 for s in batch.segments])
+            out.append(model.forward_packed(tokens, batch, rows, hidden_layers=(1,))[0])
+        return out
+
+    with torch.inference_mode():
+        bound = run()
+        monkeypatch.setattr(FusedForward, "binding", lambda self, cache: None)
+        afresh = run()
+    assert all(torch.equal(a, b) for a, b in zip(bound, afresh))
