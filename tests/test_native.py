@@ -368,7 +368,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
 @pytest.mark.parametrize("cols", [1, 5, 8, 13, 64, 8192])
 def test_argmax_follows_torchs_rule(dtype, cols):
     """The greedy token of every row equals torch.argmax's: the first maximum (ties everywhere when values are
-    rounded), a NaN wins (the first one), an all -inf row gives 0; strided rows too."""
+    rounded), a NaN wins (the first one), an all -inf row gives 0; strided rows too; as a tensor or a host list."""
     g = torch.Generator().manual_seed(cols)
     for trial in range(40):
         x = torch.randn(5, cols, generator=g).to(dtype)
@@ -383,3 +383,4 @@ def test_argmax_follows_torchs_rule(dtype, cols):
             x[3, ::2] = float("inf")
         for rows in (x, x[::2], x[:, : max(1, cols // 2)]):
             assert torch.equal(native.argmax(rows), rows.argmax(dim=-1)), (trial, rows.shape)
+            assert native.argmax_ids(rows) == rows.argmax(dim=-1).tolist(), (trial, rows.shape)

@@ -79,6 +79,14 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
     return logits.argmax(dim=-1)
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:  # [R, V] -> R token ids
+    """greedy() of each row as Python ints (native.argmax_ids on the CPU: no output tensor to build and read)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
+            and logits.shape[-1] > 0 and native.available()):
+        return native.argmax_ids(logits)
+    return greedy(logits).tolist()
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:  # [..., V] -> [...]
     """Sample from each row with an exponential race: argmax(p / E), E ~ Exp(1), which is exact and sync-free."""
     noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(1.0, generator=generator)

@@ -459,6 +459,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] fp32 or bf16, CPU, last d
     return out
 
 
+def argmax_ids(x: torch.Tensor) -> list[int]:  # [R, V] as argmax() takes -> R token ids
+    """argmax(x) as a host list, straight from the kernel into a ctypes array: a verify step reads its winners as
+    Python ints anyway, and an output tensor to fill, view and read back costs more than the argmax of a row."""
+    lib = _required()
+    _cpu(x, "argmax", (torch.float32, torch.bfloat16))
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"native argmax: expected [rows, cols] with cols > 0, got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = (ctypes.c_int64 * x.shape[0])()
+    lib.vs_argmax(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], x.stride(0), out)
+    return list(out)
+
+
 def markov_greedy(
     base: torch.Tensor,  # [span, V] fp32 block logits U, rows contiguous (V: the draft vocabulary's size)
     w1: torch.Tensor,  # [V1, r] fp32, contiguous (markov_in, a row per token of the full vocabulary)
