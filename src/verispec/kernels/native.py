@@ -448,29 +448,27 @@ def qlinear(
 
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] fp32 or bf16, CPU, last dim contiguous -> [R] int64
     """torch.argmax(x, dim=-1) by the same rule (first maximum; a NaN wins), vectorised (see argmax.c)."""
-    lib = _required()
-    _cpu(x, "argmax", (torch.float32, torch.bfloat16))
-    if x.dim() != 2 or x.shape[1] == 0:
-        raise ValueError(f"native argmax: expected [rows, cols] with cols > 0, got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.long)
-    lib.vs_argmax(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    out = torch.empty(x.shape[0] if x.dim() else 0, dtype=torch.long)
+    _argmax_into(x, out.data_ptr())
     return out
 
 
 def argmax_ids(x: torch.Tensor) -> list[int]:  # [R, V] as argmax() takes -> R token ids
     """argmax(x) as a host list, straight from the kernel into a ctypes array: a verify step reads its winners as
     Python ints anyway, and an output tensor to fill, view and read back costs more than the argmax of a row."""
+    out = (ctypes.c_int64 * (x.shape[0] if x.dim() else 0))()
+    _argmax_into(x, out)
+    return list(out)
+
+
+def _argmax_into(x: torch.Tensor, out) -> None:  # out: R int64s (a pointer, or a ctypes array)
     lib = _required()
     _cpu(x, "argmax", (torch.float32, torch.bfloat16))
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"native argmax: expected [rows, cols] with cols > 0, got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = (ctypes.c_int64 * x.shape[0])()
     lib.vs_argmax(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], x.stride(0), out)
-    return list(out)
 
 
 def markov_greedy(
@@ -874,7 +872,8 @@ class Decoder:
         return self._run(tokens, n, descs, len(seqs), logit_rows, hidden_layers, None)
 
     def _check_inputs(self, tokens: torch.Tensor, logit_rows: torch.Tensor, feats: torch.Tensor | None) -> int:
-        if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous() or tokens.device.type != "cpu":
+        if (tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous()
+                or tokens.device.type != "cpu"):
             raise ValueError("native decoder: tokens must be a contiguous CPU int64 [N]")
         n = tokens.shape[0]  # token ids and logit rows are range-checked in C (-3, -4), before anything is written
         if (feats is not None) != self.staged:
@@ -921,18 +920,6 @@ class Decoder:
                 raise ValueError("native decoder: logit rows must be a contiguous int64 [M] in [0, 0)")
             return logits, hidden
         rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), _ptr(feats), n, seqs, nseq, outs,
-                                    logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
-                                    torch.get_num_threads(), _qlinear_address() if self.quantized else None)
-        if rc == -1:
-            raise MemoryError("native decoder: out of memory")
-        if rc == -3:
-            raise ValueError(f"native decoder: token ids must lie in [0, {self.vocab})")
-        if rc == -4:
-            raise ValueError(f"native decoder: logit rows must be a contiguous int64 [M] in [0, {n})")
-        if rc != 0:
-            raise ValueError(f"native decoder failed ({rc})")
-        return logits, hidden
-        rc = lib.vs_decoder_forward(ctypes.byref(self.desc), tokens.data_ptr(), _ptr(feats), n, seqs, len(caches), outs,
                                     logit_rows.data_ptr(), logit_rows.numel(), logits.data_ptr(),
                                     torch.get_num_threads(), _qlinear_address() if self.quantized else None)
         if rc == -1:
