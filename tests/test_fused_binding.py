@@ -21,25 +21,55 @@ TOKENS = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5
 
 
 def _steps(model, cache: KVCache) -> list[torch.Tensor]:
-    """A prefill, one-token steps, a 5-row verify rolled back to 2 rows, and more steps: each forward's logits."""
-    out = [model(TOKENS[:, :12], cache=cache)[0]]
-    out += [model(TOKENS[:, i : i + 1], cache=cache)[0] for i in range(12, 16)]
-    out.append(model(TOKENS[:, 16:21], cache=cache)[0])
+    """A prefill, one-token steps, a 5-row verify rolled back to 2 rows, and more steps: each forward's logits. Then
+    the cache compressed (rows dropped and evicted, so positions run ahead of rows), grown, and stepped again, in a
+    resident() block each as a tiered cache needs."""
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        with cache.resident():
+            return model(tokens, cache=cache)[0]
+
+    out = [step(TOKENS[:, :12])]
+    out += [step(TOKENS[:, i : i + 1]) for i in range(12, 16)]
+    out.append(step(TOKENS[:, 16:21]))
     cache.truncate(18)
-    out += [model(TOKENS[:, i : i + 1], cache=cache)[0] for i in range(18, 24)]
+    out += [step(TOKENS[:, i : i + 1]) for i in range(18, 24)]
+    out.append(step(TOKENS[:, 24:34:2]))  # tokens that are not contiguous
+    cache.drop_front(4)
+    cache.evict(1, 2)
+    out += [step(TOKENS[:, i : i + 1]) for i in range(34, 37)]
+    cache.resize(48)
+    out += [step(TOKENS[:, 37:40]), step(TOKENS[:, 40:41])]
     return out
+
+
+@pytest.fixture
+def bound_calls(monkeypatch) -> list[int]:
+    """Counts forwards that took the bound path (native.Decoder.forward_bound): a test that compares outputs only
+    would pass with the path never taken."""
+    calls = []
+    run = native.Decoder.forward_bound
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(native.Decoder, "forward_bound", counted)
+    return calls
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bound_forwards_equal_forwards_that_describe_the_cache_afresh(dtype, monkeypatch):
+@pytest.mark.parametrize("tier", [None, "cpu"])
+def test_bound_forwards_equal_forwards_that_describe_the_cache_afresh(dtype, tier, bound_calls, monkeypatch):
     model = tiny_model(1).to(dtype).pack_weights()
     assert model.matmuls == "native"
     with torch.inference_mode():
-        bound = _steps(model, KVCache.for_model(model, max_len=40))
+        bound = _steps(model, KVCache.for_model(model, max_len=40, tier=tier))
+        assert len(bound_calls) == len(bound)
         assert len(model.fused._bindings) == 0  # the cache died with _steps' frame: its binding went with it
         monkeypatch.setattr(FusedForward, "binding", lambda self, cache: None)
-        afresh = _steps(model, KVCache.for_model(model, max_len=40))
+        afresh = _steps(model, KVCache.for_model(model, max_len=40, tier=tier))
+    assert len(bound_calls) == len(bound)
     assert all(torch.equal(a, b) for a, b in zip(bound, afresh))
 
 
@@ -91,7 +121,7 @@ def test_a_bound_cache_still_refuses_rows_past_its_capacity():
 
 
 @needs_native
-def test_packed_forwards_over_bound_caches_equal_forwards_that_describe_them_afresh(monkeypatch):
+def test_packed_forwards_over_bound_caches_equal_forwards_that_describe_them_afresh(bound_calls, monkeypatch):
     model = tiny_model(4)
 
     def run() -> list[torch.Tensor]:
@@ -108,6 +138,8 @@ def test_packed_forwards_over_bound_caches_equal_forwards_that_describe_them_afr
 
     with torch.inference_mode():
         bound = run()
+        assert len(bound_calls) == 3 + 3  # the prompts, then the three packed steps
         monkeypatch.setattr(FusedForward, "binding", lambda self, cache: None)
         afresh = run()
+    assert len(bound_calls) == 6
     assert all(torch.equal(a, b) for a, b in zip(bound, afresh))

@@ -721,11 +721,12 @@ class InputStage:
 
 @dataclass(frozen=True)
 class BoundCache:
-    """One sequence's KV cache described for decoder.c once (Decoder.bind). It points at the cache's memory: its
-    holder keeps k and v alive, and unmoved, for as long as it uses the binding."""
+    """One sequence's KV cache described for decoder.c once (Decoder.bind): its descriptor (rows, cached and first
+    set per call, on a copy), its capacity, and the tensors it points at, kept alive with it."""
 
-    seqs: ctypes.Array  # SeqDesc * 1, rows / cached / first set per call
+    desc: SeqDesc
     capacity: int
+    tensors: tuple[torch.Tensor, torch.Tensor]  # k, v
 
 
 class Decoder:
@@ -840,10 +841,9 @@ class Decoder:
     def bind(self, k: torch.Tensor, v: torch.Tensor) -> BoundCache:
         """One sequence's cache k, v [L, Hkv, S, D] checked once (as forward checks each call) for forward_bound."""
         self._check_cache(0, k, v)
-        seqs = (SeqDesc * 1)()
-        seqs[0] = SeqDesc(0, 0, 0, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2], None, None,
-                          None, 0, 0, k.dtype == torch.bfloat16)
-        return BoundCache(seqs, k.shape[2])
+        desc = SeqDesc(0, 0, 0, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[2], None, None, None,
+                       0, 0, k.dtype == torch.bfloat16)
+        return BoundCache(desc, k.shape[2], (k, v))
 
     def forward_bound(
         self,
@@ -853,7 +853,8 @@ class Decoder:
         hidden_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """forward() of causal rows over bound caches: a decode or verify step without re-checking each cache's
-        layout every call (this Python ran at 3-5x its warm cost right after a forward's kernels had run)."""
+        layout every call (this Python ran at 3-5x its warm cost right after a forward's kernels had run). The
+        bindings, which `seqs` holds through the call, keep the caches' tensors alive."""
         n = self._check_inputs(tokens, logit_rows, None)
         rows = 0
         for i, (bound, cached, count, first) in enumerate(seqs):
@@ -861,14 +862,10 @@ class Decoder:
             rows += count
         if rows != n:
             raise ValueError(f"native decoder: the caches take {rows} rows, {n} tokens given")
-        if len(seqs) == 1:  # a cache serves one forward at a time, so its own descriptor is reused
-            descs = seqs[0][0].seqs
-        else:
-            descs = (SeqDesc * len(seqs))()
-            for i, (bound, _, _, _) in enumerate(seqs):
-                descs[i] = bound.seqs[0]
-        for desc, (_, cached, count, first) in zip(descs, seqs):
-            desc.rows, desc.cached, desc.first = count, cached, first
+        descs = (SeqDesc * len(seqs))()  # copies: a binding's own descriptor is never written
+        for i, (bound, cached, count, first) in enumerate(seqs):
+            descs[i] = bound.desc
+            descs[i].rows, descs[i].cached, descs[i].first = count, cached, first
         return self._run(tokens, n, descs, len(seqs), logit_rows, hidden_layers, None)
 
     def _check_inputs(self, tokens: torch.Tensor, logit_rows: torch.Tensor, feats: torch.Tensor | None) -> int:

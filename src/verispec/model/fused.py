@@ -113,22 +113,22 @@ class FusedForward(_Watched):
                                       layers, _fp32(model.model.norm.weight), head,
                                       (_fp32(rope.cos), _fp32(rope.sin)))
         self._watch(sources)
-        # binding()'s: per cache, (weak refs to its k and v, their binding, their addresses and shapes then)
+        # binding()'s, per cache (weakly: an entry dies with its cache): (its k and v, their binding, their addresses
+        # and shapes then). An entry keeps tensors the cache has since replaced only until the cache is bound anew.
         self._bindings: weakref.WeakKeyDictionary[KVCache, tuple] = weakref.WeakKeyDictionary()
         self._rows: dict[tuple[int, int], torch.Tensor] = {}  # _logit_rows'
 
     def binding(self, cache: KVCache) -> native.BoundCache | None:
         """A one-sequence cache described to decoder.c once (native.Decoder.bind), or None where it cannot be: each
         forward over it reuses the description. Kept per cache object, weakly (a binding never keeps a cache alive),
-        and made anew when the cache's tensors are replaced, moved or reshaped."""
+        and made anew when the cache's tensors are replaced, moved or reshaped (a tiered cache's every forward)."""
         if (bound := self._current(cache)) is not None:
             return bound
         k, v = cache.k, cache.v
-        if k.dim() != 5 or k.shape[1] != 1 or not self._writable(cache):
+        if k.dim() != 5 or k.shape[1] != 1 or not self.takes(cache):
             return None
         bound = self.decoder.bind(k[:, 0], v[:, 0])
-        self._bindings[cache] = (weakref.ref(k), weakref.ref(v), bound,
-                                 (k.data_ptr(), v.data_ptr(), k.shape, v.shape))
+        self._bindings[cache] = (k, v, bound, (k.data_ptr(), v.data_ptr(), k.shape, v.shape))
         return bound
 
     def _logit_rows(self, seqlen: int, num_logits: int) -> torch.Tensor:  # [num_logits] int64: the last rows
@@ -142,9 +142,10 @@ class FusedForward(_Watched):
 
     def takes(self, cache: KVCache | PackedBatch | None) -> bool:
         """Whether these caches are ones this model's decoder.c call writes (_writable)."""
+        bf16 = self.decoder.dtype == torch.bfloat16
         if isinstance(cache, PackedBatch):
-            return all(self._writable(s.cache) and s.cache.k.shape[1] == 1 for s in cache.segments)
-        return isinstance(cache, KVCache) and self._writable(cache)
+            return all(_writable(s.cache, bf16) and s.cache.k.shape[1] == 1 for s in cache.segments)
+        return isinstance(cache, KVCache) and _writable(cache, bf16)
 
     def _current(self, cache: KVCache) -> native.BoundCache | None:
         """The cache's binding if its tensors are still the same objects at the same addresses and shapes."""
@@ -152,12 +153,10 @@ class FusedForward(_Watched):
         if entry is None:
             return None
         k, v = cache.k, cache.v
-        if entry[0]() is k and entry[1]() is v and entry[3] == (k.data_ptr(), v.data_ptr(), k.shape, v.shape):
+        if entry[0] is k and entry[1] is v and entry[3] == (k.data_ptr(), v.data_ptr(), k.shape, v.shape):
             return entry[2]
         return None
 
-    def _writable(self, cache: KVCache) -> bool:  # the module's _writable(), which a bound cache passed when bound
-        return self._current(cache) is not None or _writable(cache, self.decoder.dtype == torch.bfloat16)
 
     @staticmethod
     def tree(positions: torch.Tensor | None, mask: torch.Tensor | None, cache: KVCache) -> tuple | None | bool:
@@ -179,7 +178,7 @@ class FusedForward(_Watched):
         bsz, seqlen = tokens.shape
         if bsz == 1 and tree is None and (bound := self.binding(cache)) is not None:
             logits, hidden = self.decoder.forward_bound(
-                tokens.reshape(-1), [(bound, cache.length, seqlen, cache.next_position)],
+                tokens.reshape(-1).contiguous(), [(bound, cache.length, seqlen, cache.next_position)],
                 self._logit_rows(seqlen, num_logits), tuple(hidden_layers))
         else:
             caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position, tree)
