@@ -1,6 +1,7 @@
 """In-process A/B of the Python fast paths around a native decode step: the same target with the named fast paths
 turned off (the code before them) and on, arms interleaved, order flipped every repeat, medians, outputs compared.
   binding     model.fused.FusedForward.binding: a KV cache described to decoder.c once, not on every forward
+  feature_binding  the same for a feature drafter's steps (FusedFeature.binding: EAGLE, MTP)
   argmax_ids  verify.greedy_ids: a greedy verify's winners read from the kernel as ints, no output tensor
 
 The Python around a native forward is ~45 us warm, but runs at 3-5x that right after a forward's kernels have
@@ -25,12 +26,13 @@ import torch
 from verispec import verify
 from verispec.api import LLM
 from verispec.cache import KVCache
-from verispec.model.fused import FusedForward
+from verispec.model.fused import FusedFeature, FusedForward
 from verispec.sampling import SamplingParams, greedy
 
 # each fast path: (owner, attribute, what it is with the path off)
 FAST_PATHS = {
     "binding": (FusedForward, "binding", lambda self, cache: None),
+    "feature_binding": (FusedFeature, "binding", lambda self, cache: None),
     "argmax_ids": (verify, "greedy_ids", lambda logits: greedy(logits).tolist()),
 }
 ORIGINAL = {name: getattr(owner, attr) for name, (owner, attr, _) in FAST_PATHS.items()}

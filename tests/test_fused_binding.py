@@ -1,7 +1,7 @@
-"""The native forward's bound caches (model.fused.FusedForward.binding): a cache is described to decoder.c once and
-every later forward over it reuses that description, so they must give exactly what a forward that checks and
-describes the cache afresh gives, notice a cache whose tensors were replaced, keep no cache alive, and still refuse
-rows past a cache's capacity."""
+"""The native forward's bound caches (model.fused: FusedForward.binding, and FusedFeature.binding for a feature
+drafter's steps): a cache is described to decoder.c once and every later forward over it reuses that description,
+so they must give exactly what a forward that checks and describes the cache afresh gives, notice a cache whose
+tensors were replaced, keep no cache alive, and still refuse rows past a cache's capacity."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from conftest import no_native_reason, tiny_model
 from verispec.cache import KVCache, PackedBatch
 from verispec.kernels import native
-from verispec.model.fused import FusedForward
+from verispec.model.fused import FusedFeature, FusedForward
 
 needs_native = pytest.mark.skipif(not native.available(), reason=no_native_reason())
 TOKENS = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
@@ -143,3 +143,50 @@ def test_packed_forwards_over_bound_caches_equal_forwards_that_describe_them_afr
         afresh = run()
     assert len(bound_calls) == 6
     assert all(torch.equal(a, b) for a, b in zip(bound, afresh))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_feature_drafter_steps_over_bound_caches_equal_steps_that_describe_them_afresh(kind, bound_calls,
+                                                                                       monkeypatch):
+    """A feature drafter's native steps (FusedFeature: input stage, layer, head) over its own caches, bound or not:
+    the same drafts and cache entries bit for bit over greedy rounds of two requests with a sliding window."""
+    from test_feature_drafters import GREEDY, PROMPTS, make_feature
+
+    from verispec.drafters import DraftRequest, Verified
+    from verispec.drafters.feature import FeatureDrafter
+
+    target = tiny_model(0)
+    model = make_feature(target, kind, 4, packed=True)
+    layers = FeatureDrafter(model, target, context_window=4).capabilities.hidden_layers
+
+    def rounds() -> list:
+        drafter = FeatureDrafter(model, target, context_window=4)
+        tokens = [list(p) for p in PROMPTS[:2]]
+        out = []
+        for sid, p in enumerate(tokens):
+            _, hidden = target(torch.tensor([p]), hidden_layers=layers)
+            drafter.start(sid, p)
+            drafter.observe(sid, 0, {k: v[0, :-1] for k, v in hidden.items()})
+        for _ in range(5):
+            drafts = drafter.propose([DraftRequest(sid, tokens[sid], 4, GREEDY, None) for sid in range(2)])
+            for sid, d in enumerate(drafts):
+                committed = [*d.tokens[:2], 7]  # two accepted, then a token of the target's
+                _, hidden = target(torch.tensor([tokens[sid] + committed[:2]]), hidden_layers=layers)
+                drafter.accept(Verified(sid, 2, committed, {k: v[0, len(tokens[sid]) - 1 :]
+                                                            for k, v in hidden.items()}))
+                tokens[sid] += committed
+                cache = drafter._caches[sid]
+                n = cache.length
+                out.append((d.tokens, cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone()))
+        return out
+
+    with torch.inference_mode():
+        bound = rounds()
+        taken = len(bound_calls)  # the drafter's steps only: the target's forwards here have no cache (torch path)
+        assert taken > 0
+        monkeypatch.setattr(FusedFeature, "binding", lambda self, cache: None)
+        afresh = rounds()
+    assert len(bound_calls) == taken
+    for (ta, ka, va), (tb, kb, vb) in zip(bound, afresh):
+        assert ta == tb and torch.equal(ka, kb) and torch.equal(va, vb)

@@ -851,11 +851,12 @@ class Decoder:
         seqs: list[tuple[BoundCache, int, int, int]],  # per sequence: its cache (bind()'s), cached, rows, first
         logit_rows: torch.Tensor,  # [M] int64
         hidden_layers: tuple[int, ...] = (),
+        feats: torch.Tensor | None = None,  # [N, d] fp32: the input stage's features (exactly where it has one)
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """forward() of causal rows over bound caches: a decode or verify step without re-checking each cache's
         layout every call (this Python ran at 3-5x its warm cost right after a forward's kernels had run). The
         bindings, which `seqs` holds through the call, keep the caches' tensors alive."""
-        n = self._check_inputs(tokens, logit_rows, None)
+        n = self._check_inputs(tokens, logit_rows, feats)
         rows = 0
         for i, (bound, cached, count, first) in enumerate(seqs):
             self._check_rows(i, cached, count, first, bound.capacity)
@@ -866,7 +867,7 @@ class Decoder:
         for i, (bound, cached, count, first) in enumerate(seqs):
             descs[i] = bound.desc
             descs[i].rows, descs[i].cached, descs[i].first = count, cached, first
-        return self._run(tokens, n, descs, len(seqs), logit_rows, hidden_layers, None)
+        return self._run(tokens, n, descs, len(seqs), logit_rows, hidden_layers, feats)
 
     def _check_inputs(self, tokens: torch.Tensor, logit_rows: torch.Tensor, feats: torch.Tensor | None) -> int:
         if (tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous()

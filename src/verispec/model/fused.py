@@ -92,6 +92,38 @@ def _writable(cache: KVCache, bf16: bool) -> bool:
     return cache.k.device.type == "cpu" and (cache.k.dtype == torch.float32 or bf16 and cache.k.dtype == torch.bfloat16)
 
 
+class _Bindings:
+    """One native.Decoder's descriptions of one-sequence KV caches (Decoder.bind), made once per cache and reused by
+    every later forward over it. Kept per cache object, weakly (an entry dies with its cache, so a binding never
+    keeps a cache alive), and made anew when the cache's tensors are replaced, moved or reshaped (a tiered cache's
+    every forward). An entry keeps tensors its cache has since replaced only until the cache is bound anew."""
+
+    def __init__(self, decoder: native.Decoder) -> None:
+        self.decoder = decoder
+        # per cache: (its k and v, their binding, their addresses and shapes then)
+        self._entries: weakref.WeakKeyDictionary[KVCache, tuple] = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def current(self, cache: KVCache) -> native.BoundCache | None:
+        """The cache's binding if its tensors are still the same objects at the same addresses and shapes."""
+        entry = self._entries.get(cache)
+        if entry is None:
+            return None
+        k, v = cache.k, cache.v
+        if entry[0] is k and entry[1] is v and entry[3] == (k.data_ptr(), v.data_ptr(), k.shape, v.shape):
+            return entry[2]
+        return None
+
+    def bind(self, cache: KVCache) -> native.BoundCache:
+        """Describe a one-sequence cache (k, v [L, 1, Hkv, S, D]) the caller found writable (_writable)."""
+        k, v = cache.k, cache.v
+        bound = self.decoder.bind(k[:, 0], v[:, 0])
+        self._entries[cache] = (k, v, bound, (k.data_ptr(), v.data_ptr(), k.shape, v.shape))
+        return bound
+
+
 class FusedForward(_Watched):
     """A packed model's weights described once for decoder.c: each matmul dense (model.packing) or int8/int4
     (QuantLinear's qgemm.c pack)."""
@@ -113,23 +145,16 @@ class FusedForward(_Watched):
                                       layers, _fp32(model.model.norm.weight), head,
                                       (_fp32(rope.cos), _fp32(rope.sin)))
         self._watch(sources)
-        # binding()'s, per cache (weakly: an entry dies with its cache): (its k and v, their binding, their addresses
-        # and shapes then). An entry keeps tensors the cache has since replaced only until the cache is bound anew.
-        self._bindings: weakref.WeakKeyDictionary[KVCache, tuple] = weakref.WeakKeyDictionary()
+        self._bindings = _Bindings(self.decoder)
         self._rows: dict[tuple[int, int], torch.Tensor] = {}  # _logit_rows'
 
     def binding(self, cache: KVCache) -> native.BoundCache | None:
-        """A one-sequence cache described to decoder.c once (native.Decoder.bind), or None where it cannot be: each
-        forward over it reuses the description. Kept per cache object, weakly (a binding never keeps a cache alive),
-        and made anew when the cache's tensors are replaced, moved or reshaped (a tiered cache's every forward)."""
-        if (bound := self._current(cache)) is not None:
+        """The cache's description for decoder.c (_Bindings), or None where this model's forward cannot write it."""
+        if (bound := self._bindings.current(cache)) is not None:
             return bound
-        k, v = cache.k, cache.v
-        if k.dim() != 5 or k.shape[1] != 1 or not self.takes(cache):
+        if cache.k.dim() != 5 or cache.k.shape[1] != 1 or not self.takes(cache):
             return None
-        bound = self.decoder.bind(k[:, 0], v[:, 0])
-        self._bindings[cache] = (k, v, bound, (k.data_ptr(), v.data_ptr(), k.shape, v.shape))
-        return bound
+        return self._bindings.bind(cache)
 
     def _logit_rows(self, seqlen: int, num_logits: int) -> torch.Tensor:  # [num_logits] int64: the last rows
         key = (seqlen, num_logits)
@@ -146,17 +171,6 @@ class FusedForward(_Watched):
         if isinstance(cache, PackedBatch):
             return all(_writable(s.cache, bf16) and s.cache.k.shape[1] == 1 for s in cache.segments)
         return isinstance(cache, KVCache) and _writable(cache, bf16)
-
-    def _current(self, cache: KVCache) -> native.BoundCache | None:
-        """The cache's binding if its tensors are still the same objects at the same addresses and shapes."""
-        entry = self._bindings.get(cache)
-        if entry is None:
-            return None
-        k, v = cache.k, cache.v
-        if entry[0] is k and entry[1] is v and entry[3] == (k.data_ptr(), v.data_ptr(), k.shape, v.shape):
-            return entry[2]
-        return None
-
 
     @staticmethod
     def tree(positions: torch.Tensor | None, mask: torch.Tensor | None, cache: KVCache) -> tuple | None | bool:
@@ -233,6 +247,13 @@ class FusedFeature(_Watched):
                                       dtype=model.dtype, input_stage=stage)
         self._watch(sources + w_in_sources + [embed, model.embed_norm.weight, model.feature_norm.weight,
                                               model.norm.weight, *head_sources])
+        self._bindings = _Bindings(self.decoder)
+
+    def binding(self, cache: KVCache) -> native.BoundCache | None:
+        """The cache's description for decoder.c (_Bindings), or None where this step cannot write it."""
+        if (bound := self._bindings.current(cache)) is not None:
+            return bound
+        return self._bindings.bind(cache) if self.takes([cache]) and cache.k.dim() == 5 else None
 
     def step(
         self,
@@ -246,9 +267,15 @@ class FusedFeature(_Watched):
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
         trees = trees or [None] * len(caches)
-        rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position, tree)
-                for c, n, tree in zip(caches, lengths, trees)]
-        logits, hidden = self.decoder.forward(tokens, rows, logit_rows, (1,), feats)
+        bound = [self.binding(c) if tree is None else None for c, tree in zip(caches, trees)]
+        if all(b is not None for b in bound):  # causal rows over caches bound before: no per-call layout checks
+            logits, hidden = self.decoder.forward_bound(
+                tokens, [(b, c.length, n, c.next_position) for b, c, n in zip(bound, caches, lengths)], logit_rows,
+                (1,), feats)
+        else:
+            rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position, tree)
+                    for c, n, tree in zip(caches, lengths, trees)]
+            logits, hidden = self.decoder.forward(tokens, rows, logit_rows, (1,), feats)
         for cache, n in zip(caches, lengths):
             cache.advance(n)
         return logits, hidden[1]
