@@ -253,7 +253,7 @@ class FusedFeature(_Watched):
         """The cache's description for decoder.c (_Bindings), or None where this step cannot write it."""
         if (bound := self._bindings.current(cache)) is not None:
             return bound
-        return self._bindings.bind(cache) if self.takes([cache]) and cache.k.dim() == 5 else None
+        return self._bindings.bind(cache) if cache.k.dim() == 5 and self.takes([cache]) else None
 
     def step(
         self,
