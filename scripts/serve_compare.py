@@ -10,7 +10,9 @@ tokens over the wall time) and per-user tokens/s (each request's completion toke
 arms in turn per C, their order reversed every other repeat, medians over repeats. Beside it, in each repeat right
 before the servers' runs at one client, the library's own decoding (plain and DSpark, one request at a time, in a
 process of its own) on the prompts one client sends: the reference for "the server at 1 client", as per-repeat
-ratios. Needs `bash scripts/llamacpp.sh` for the llama-server arm.
+ratios. With `--paired N`, each repeat also sends N one-client requests to each verispec server, each right beside
+the library's decoding of the same prompt (order alternating), the fairer reference on a host whose speed drifts.
+Needs `bash scripts/llamacpp.sh` for the llama-server arm.
 """
 
 from __future__ import annotations
@@ -129,7 +131,13 @@ texts = {texts!r}
 for kw in arms.values():
     decode(t, tok.encode(texts[0]), p, **kw)
 print("ready", flush=True)
-for _ in sys.stdin:
+for line in sys.stdin:
+    if line.startswith("one "):  # one request: "one ARM INDEX" -> its tokens and seconds
+        _, a, i = line.split()
+        t0 = time.perf_counter()
+        n = len(decode(t, tok.encode(texts[int(i)]), p, **arms[a]).token_ids)
+        print(json.dumps({{"tokens": n, "seconds": time.perf_counter() - t0}}), flush=True)
+        continue
     tokens, seconds = {{a: 0 for a in arms}}, {{a: 0.0 for a in arms}}
     for x in texts:
         for a, kw in arms.items():
@@ -149,9 +157,40 @@ for _ in sys.stdin:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
+    def one(self, arm: str, index: int) -> tuple[int, float]:
+        """One request of the reference's prompts (`texts[index]`) with one arm: its tokens and seconds."""
+        self.proc.stdin.write(f"one {arm} {index}\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        return r["tokens"], r["seconds"]
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait()
+
+
+def paired(port: int, model: str, reference: Library, arm: str, texts: list[str], n: int,
+           max_tokens: int) -> dict[str, float]:
+    """One client's requests to a server paired with the library's decoding of the same prompt, back to back, the
+    order alternating: tokens/s of each side over the same n prompts. The per-repeat references run minutes'
+    worth of requests apart from the server's, and this host's speed moves by +-10% over that span."""
+    sums = {"server": [0, 0.0], "library": [0, 0.0]}
+    with httpx.Client(timeout=600) as cl:
+        for j in range(n):
+            for side in (("server", "library") if j % 2 == 0 else ("library", "server")):
+                if side == "library":
+                    tokens, seconds = reference.one(arm, j % len(texts))
+                else:
+                    body = {"model": model, "prompt": texts[j % len(texts)], "max_tokens": max_tokens,
+                            "temperature": 0.0, "ignore_eos": True}
+                    t0 = time.perf_counter()
+                    r = cl.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                    r.raise_for_status()
+                    seconds = time.perf_counter() - t0
+                    tokens = r.json()["usage"]["completion_tokens"]
+                sums[side][0] += tokens
+                sums[side][1] += seconds
+    return {side: tokens / seconds for side, (tokens, seconds) in sums.items()}
 
 
 def main() -> None:
@@ -164,6 +203,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix-cache-mb", type=int, default=None,
                     help="verispec's prefix cache (0: off, as the library reference has none; default: the server's)")
+    ap.add_argument("--paired", type=int, default=0,
+                    help="per repeat, this many one-client requests to each verispec server, each paired with the "
+                         "library's decoding of the same prompt (the 1-client goals, measured side by side)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -204,8 +246,9 @@ def main() -> None:
               flush=True)
 
     # the prompts one client sends (closed_loop: client 0's j-th request), for the library reference
-    reference = Library([texts[j % len(texts)] for j in range(max(2, args.requests))], args.max_tokens, args.threads)
-    lib = []
+    reference_texts = [texts[j % len(texts)] for j in range(max(2, args.requests))]
+    reference = Library(reference_texts, args.max_tokens, args.threads)
+    lib, pairs = [], []
     try:
         for arm, (proc, model) in servers.items():  # warm-up: one request each
             asyncio.run(closed_loop(ports[arm], model, texts, 1, 1, args.max_tokens))
@@ -213,6 +256,11 @@ def main() -> None:
             for c in clients:
                 if c == 1:
                     lib.append({"repeat": rep, **reference.run()})
+                    for arm in (a for a in arms if a != "llama-server") if args.paired else ():
+                        kind = "plain" if arm == "verispec plain" else "dspark"
+                        r = paired(ports[arm], servers[arm][1], reference, kind, reference_texts, args.paired,
+                                   args.max_tokens)
+                        pairs.append({"repeat": rep, "arm": arm, **r})
                 for arm in (arms if rep % 2 == 0 else arms[::-1]):  # order flipped per repeat: drift hits both
                     run(arm, c, rep)
     finally:
@@ -221,7 +269,7 @@ def main() -> None:
             proc.terminate()
             proc.wait()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "library": lib}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"rows": rows, "library": lib, "paired": pairs}, indent=1))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
@@ -229,8 +277,9 @@ def main() -> None:
            f"Machine: {model}, {args.threads} threads, flags `{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}`;"
            f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
            f"--arms '{args.arms}' --max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}"
-           + ("" if args.prefix_cache_mb is None else f" --prefix-cache-mb {args.prefix_cache_mb}") + "`.", "",
-           *_library(lib), *_one_client(rows, lib), "",
+           + ("" if args.prefix_cache_mb is None else f" --prefix-cache-mb {args.prefix_cache_mb}")
+           + (f" --paired {args.paired}" if args.paired else "") + "`.", "",
+           *_library(lib), *_one_client(rows, lib), *_paired(pairs, args.paired), "",
            "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
            "|---|" + "---|---|" * len(arms)]
     for c in clients:
@@ -267,6 +316,26 @@ def _library(lib: list[dict]) -> list[str]:
             f"included): plain {statistics.median(x['plain'] for x in lib):.1f} tok/s (runs: {runs('plain')}), "
             f"`dspark:zoo/dspark` with the dspark policy (k 8) {statistics.median(x['dspark'] for x in lib):.1f} "
             f"(runs: {runs('dspark')}); speedup {statistics.median(x['dspark'] / x['plain'] for x in lib):.2f}x."]
+
+
+def _paired(pairs: list[dict], n: int) -> list[str]:
+    """The 1-client goals from requests paired with the library's (`paired`), per repeat and their medians."""
+    plain = [x["server"] / x["library"] for x in pairs if x["arm"] == "verispec plain"]
+    out = []
+    if plain:
+        out.append(f"Paired, {n} one-client requests per repeat each beside the library's decoding of the same prompt: "
+                   f"the plain server at {', '.join(f'{r:.2f}' for r in plain)}x the library's plain (median "
+                   f"{statistics.median(plain):.2f}x; goal >= 0.90).")
+    share = []
+    for rep in sorted({x["repeat"] for x in pairs}):
+        p = next((x for x in pairs if x["repeat"] == rep and x["arm"] == "verispec plain"), None)
+        d = next((x for x in pairs if x["repeat"] == rep and x["arm"] == "verispec dspark"), None)
+        if p and d:
+            share.append((d["server"] / p["server"]) / (d["library"] / p["library"]))
+    if share:
+        out.append(f"The dspark server's speedup over the plain server, as a share of the library's, paired: "
+                   f"{', '.join(f'{r:.2f}' for r in share)} (median {statistics.median(share):.2f}; goal >= 0.90).")
+    return [" ".join(out)] if out else []
 
 
 def _share(rows: list[dict], arm: str, clients: int) -> float:
