@@ -205,11 +205,14 @@ def main() -> None:
                     help="verispec's prefix cache (0: off, as the library reference has none; default: the server's)")
     ap.add_argument("--paired", type=int, default=0,
                     help="per repeat, this many one-client requests to each verispec server, each paired with the "
-                         "library's decoding of the same prompt (the 1-client goals, measured side by side)")
+                         "library's decoding of the same prompt (the 1-client goals, measured side by side; needs 1 "
+                         "in --clients, and --prefix-cache-mb 0 for a fair reference: the prompts repeat)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     arms = [a.strip() for a in args.arms.split(",")]
+    if args.paired and 1 not in clients:
+        ap.error("--paired measures the one-client goals: include 1 in --clients")
     texts = prompts()
     ports = {arm: 8700 + i for i, arm in enumerate(arms)}
     # verispec's servers run throughout; llama-server is started per load with one slot per client (its KV cache

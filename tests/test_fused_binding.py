@@ -187,6 +187,6 @@ def test_feature_drafter_steps_over_bound_caches_equal_steps_that_describe_them_
         assert taken > 0
         monkeypatch.setattr(FusedFeature, "binding", lambda self, cache: None)
         afresh = rounds()
-    assert len(bound_calls) == taken
+    assert len(bound_calls) == taken and len(bound) == len(afresh)
     for (ta, ka, va), (tb, kb, vb) in zip(bound, afresh):
         assert ta == tb and torch.equal(ka, kb) and torch.equal(va, vb)
