@@ -124,6 +124,27 @@ class _Bindings:
         return bound
 
 
+def _forward_caches(
+    decoder: native.Decoder,
+    binding,  # the owner's binding(cache) -> native.BoundCache | None
+    tokens: torch.Tensor,  # [N] every cache's new tokens, back to back
+    caches: Sequence[KVCache],  # one sequence each (k, v [L, 1, Hkv, S, D])
+    lengths: Sequence[int],
+    trees: Sequence[tuple | None],  # per cache None (causal rows) or FusedForward.tree(...)'s
+    logit_rows: torch.Tensor,  # [M] int64
+    hidden_layers: tuple[int, ...],
+    feats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """decoder.forward over one-sequence caches: through their bindings where every cache is bound and causal, else
+    each described afresh (a tree's rows, or a cache that cannot be bound)."""
+    bound = [binding(c) if tree is None else None for c, tree in zip(caches, trees)]
+    if all(b is not None for b in bound):
+        return decoder.forward_bound(tokens, [(b, c.length, n, c.next_position) for b, c, n in
+                                              zip(bound, caches, lengths)], logit_rows, hidden_layers, feats)
+    rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position, tree) for c, n, tree in zip(caches, lengths, trees)]
+    return decoder.forward(tokens, rows, logit_rows, hidden_layers, feats)
+
+
 class FusedForward(_Watched):
     """A packed model's weights described once for decoder.c: each matmul dense (model.packing) or int8/int4
     (QuantLinear's qgemm.c pack)."""
@@ -190,10 +211,10 @@ class FusedForward(_Watched):
         tree: tuple | None = None,  # FusedForward.tree(...) of a one-sequence draft tree's forward
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [B, num_logits, V], {layer: [B, T, d]}
         bsz, seqlen = tokens.shape
-        if bsz == 1 and tree is None and (bound := self.binding(cache)) is not None:
-            logits, hidden = self.decoder.forward_bound(
-                tokens.reshape(-1).contiguous(), [(bound, cache.length, seqlen, cache.next_position)],
-                self._logit_rows(seqlen, num_logits), tuple(hidden_layers))
+        if bsz == 1:
+            logits, hidden = _forward_caches(self.decoder, self.binding, tokens.reshape(-1).contiguous(), [cache],
+                                             [seqlen], [tree], self._logit_rows(seqlen, num_logits),
+                                             tuple(hidden_layers))
         else:
             caches = [(cache.k[:, b], cache.v[:, b], cache.length, seqlen, cache.next_position, tree)
                       for b in range(bsz)]
@@ -214,16 +235,9 @@ class FusedForward(_Watched):
         trees: Sequence[tuple | None] | None = None,  # per segment FusedForward.tree(...), None for causal rows
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [M, V], {layer: [N, d]}
         trees = trees or [None] * len(batch.segments)
-        rows = logit_rows.to(torch.int64).contiguous()
-        bound = [self.binding(s.cache) if tree is None else None for s, tree in zip(batch.segments, trees)]
-        if all(b is not None for b in bound):  # causal rows over caches bound before: no per-call layout checks
-            out = self.decoder.forward_bound(
-                tokens.contiguous(), [(b, s.cache.length, s.length, s.cache.next_position)
-                                      for b, s in zip(bound, batch.segments)], rows, tuple(hidden_layers))
-        else:
-            caches = [(s.cache.k[:, 0], s.cache.v[:, 0], s.cache.length, s.length, s.cache.next_position, tree)
-                      for s, tree in zip(batch.segments, trees)]
-            out = self.decoder.forward(tokens.contiguous(), caches, rows, tuple(hidden_layers))
+        out = _forward_caches(self.decoder, self.binding, tokens.contiguous(), [s.cache for s in batch.segments],
+                              [s.length for s in batch.segments], trees, logit_rows.to(torch.int64).contiguous(),
+                              tuple(hidden_layers))
         batch.advance()
         return out
 
@@ -266,16 +280,8 @@ class FusedFeature(_Watched):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [M, V'], output states g [N, d]
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
-        trees = trees or [None] * len(caches)
-        bound = [self.binding(c) if tree is None else None for c, tree in zip(caches, trees)]
-        if all(b is not None for b in bound):  # causal rows over caches bound before: no per-call layout checks
-            logits, hidden = self.decoder.forward_bound(
-                tokens, [(b, c.length, n, c.next_position) for b, c, n in zip(bound, caches, lengths)], logit_rows,
-                (1,), feats)
-        else:
-            rows = [(c.k[:, 0], c.v[:, 0], c.length, n, c.next_position, tree)
-                    for c, n, tree in zip(caches, lengths, trees)]
-            logits, hidden = self.decoder.forward(tokens, rows, logit_rows, (1,), feats)
+        logits, hidden = _forward_caches(self.decoder, self.binding, tokens, caches, lengths,
+                                         trees or [None] * len(caches), logit_rows, (1,), feats)
         for cache, n in zip(caches, lengths):
             cache.advance(n)
         return logits, hidden[1]
