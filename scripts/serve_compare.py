@@ -76,13 +76,17 @@ def start(arm: str, port: int, threads: int, slots: int, prefix_cache_mb: int | 
 
 
 async def closed_loop(port: int, model: str, texts: list[str], clients: int, per_client: int,
-                      max_tokens: int) -> dict:
+                      max_tokens: int, vary: bool = False) -> dict:
+    """`vary`: request lengths spread over max_tokens - 8 .. + 8 (as scripts/engine_ab.py --vary), so that clients do
+    not finish together: with one length, plain decoding keeps C clients in lockstep and prefills their next prompts
+    in one step, which a drafting arm (its rounds commit different counts) cannot."""
     lat, toks = [], []
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as cl:
         async def client(c: int) -> None:
             for j in range(per_client):
-                body = {"model": model, "prompt": texts[(c * 7 + j) % len(texts)], "max_tokens": max_tokens,
+                n = max_tokens - 8 + (c * 7 + j * 5) % 17 if vary else max_tokens
+                body = {"model": model, "prompt": texts[(c * 7 + j) % len(texts)], "max_tokens": n,
                         "temperature": 0.0, "ignore_eos": True}
                 t0 = time.perf_counter()
                 r = await cl.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
@@ -207,6 +211,8 @@ def main() -> None:
                     help="per repeat, this many one-client requests to each verispec server, each paired with the "
                          "library's decoding of the same prompt (the 1-client goals, measured side by side; needs 1 "
                          "in --clients, and --prefix-cache-mb 0 for a fair reference: the prompts repeat)")
+    ap.add_argument("--vary", action="store_true",
+                    help="request lengths max_tokens - 8 .. + 8, so that the clients do not finish in lockstep")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -228,7 +234,7 @@ def main() -> None:
         before = engine_counters(ports[arm]) if arm != "llama-server" else {}
         try:
             r = asyncio.run(closed_loop(ports[arm], servers[arm][1], texts, c, max(2, args.requests // c),
-                                        args.max_tokens))
+                                        args.max_tokens, args.vary))
             if before:  # the engine's steps, and those that drafted (the dspark arm's gate)
                 after = engine_counters(ports[arm])
                 r["steps"] = after["engine_steps"] - before["engine_steps"]
@@ -281,7 +287,7 @@ def main() -> None:
            f" Python {platform.python_version()}. Command: `python scripts/serve_compare.py --clients {args.clients} "
            f"--arms '{args.arms}' --max-tokens {args.max_tokens} --requests {args.requests} --repeats {args.repeats}"
            + ("" if args.prefix_cache_mb is None else f" --prefix-cache-mb {args.prefix_cache_mb}")
-           + (f" --paired {args.paired}" if args.paired else "") + "`.", "",
+           + (f" --paired {args.paired}" if args.paired else "") + (" --vary" if args.vary else "") + "`.", "",
            *_library(lib), *_one_client(rows, lib), *_paired(pairs, args.paired), "",
            "| clients | " + " | ".join(f"{a} aggregate | {a} per-user" for a in arms) + " |",
            "|---|" + "---|---|" * len(arms)]

@@ -47,13 +47,13 @@ def timed_engine(engine: Engine, totals: dict[str, float]) -> None:
     wrap(engine.target, "forward_packed", "forward")
 
 
-ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced", "plain-no-prefix-cache")
+ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced", "dspark-no-backoff", "plain-no-prefix-cache")
 
 
 def arm_engine(target, arm: str) -> Engine:
     """A fresh engine for one arm: plain, or the dspark policy with the zoo's DSpark drafter and its draft gate
-    as it ships, never drafting (what carrying the drafter costs on its own) or always drafting (what drafting
-    itself delivers at each load)."""
+    as it ships, never drafting (what carrying the drafter costs on its own), always drafting (what drafting
+    itself delivers at each load) or without the gate's probe backoff."""
     if arm.startswith("plain"):
         return Engine(target, None, EngineConfig(drafter=None, max_running=64,
                                                  **({"prefix_cache_bytes": 0} if arm == "plain-no-prefix-cache"
@@ -62,6 +62,8 @@ def arm_engine(target, arm: str) -> Engine:
                                                max_running=64))
     if arm == "dspark-undrafted":
         engine.gate.draft = lambda requests, clean=True: False
+    if arm == "dspark-no-backoff":  # probes spaced by probe_cost alone, as before the gate's backoff
+        engine.gate.max_backoff = 1
     if arm == "dspark-forced":
         engine.gate.draft = lambda requests, clean=True: True
     return engine
@@ -91,7 +93,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default="plain,dspark",
                     help="plain, dspark, dspark-undrafted (the gate never drafts), dspark-forced (it always drafts), "
-                         "plain-no-prefix-cache")
+                         "dspark-no-backoff (the gate's probes without backoff), plain-no-prefix-cache")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/serve-compare/breakdown.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

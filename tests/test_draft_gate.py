@@ -341,3 +341,41 @@ def test_the_gate_times_the_whole_step_cache_growth_included(monkeypatch):
     engine.run_until_done()
     assert len(recorded) >= 5 and len(grows) == engine.metrics.num_steps
     assert all(1.0 <= s < 1.1 for s in recorded), recorded
+
+
+def test_probes_that_confirm_the_choice_back_off_and_a_flip_resets_them():
+    """Each probe that finds the other choice still worse doubles its load's spacing (up to max_backoff); one that
+    flips the choice brings the spacing back, so a changed load is still found."""
+    g = warmed(32, probe_every=16, probe_cost=0.05, trust=1, max_backoff=4)
+    g.record(32, True, tokens=32, seconds=0.030)  # drafting: 1,067 tokens/s
+    g.record(32, False, tokens=32, seconds=0.010)  # plain: 3,200 tokens/s
+    assert g.spacing(g.bucket(32)) == 40
+    probes = []
+    for i in range(1, 801):
+        if g.draft(40):
+            probes.append(i)
+            g.record(40, True, tokens=32, seconds=0.030)  # each probe confirms: drafting still slower
+        else:
+            g.record(40, False, tokens=32, seconds=0.010)
+    # spacings 40, 80, 160, then capped at 160: probes at multiples of the spacing in force
+    assert probes[:4] == [40, 80, 160, 320] and all(b - a == 160 for a, b in zip(probes[2:], probes[3:]))
+    assert g.backoff[g.bucket(32)] == 4
+    for _ in range(50):  # the text turns easy: drafting pays again; the probe that flips the choice resets it
+        g.record(40, True, tokens=200, seconds=0.030)
+        if g.rates[(g.bucket(32), True)] > 1.1 * g.rates[(g.bucket(32), False)]:
+            break
+    assert g.draft(40) is True and g.backoff[g.bucket(32)] == 1
+
+
+def test_without_backoff_the_spacing_stays_put():
+    g = warmed(32, probe_every=16, probe_cost=0.05, trust=1, max_backoff=1)
+    g.record(32, True, tokens=32, seconds=0.030)
+    g.record(32, False, tokens=32, seconds=0.010)
+    probes = []
+    for i in range(1, 201):
+        if g.draft(40):
+            probes.append(i)
+            g.record(40, True, tokens=32, seconds=0.030)
+        else:
+            g.record(40, False, tokens=32, seconds=0.010)
+    assert probes == [40, 80, 120, 160, 200]

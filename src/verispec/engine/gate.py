@@ -6,7 +6,8 @@ drafts are cut anyway, the step is slower than plain (measured through the serve
 plain's aggregate). The gate compares committed tokens per second of recent steps that drafted and of steps that
 did not, per load (the number of decoding requests, in powers of two), and drafts only where drafting has paid;
 the other choice is retried now and then so that a change of load, text or acceptance shows: every `probe_every`
-steps, or more rarely when it costs more, so that probing costs at most `probe_cost` of the time. A probe's cost is
+steps, or more rarely when it costs more, so that probing costs at most `probe_cost` of the time, and rarer still
+(up to `max_backoff` times) while probes keep confirming the choice. A probe's cost is
 the time it takes beyond what the better choice would have taken for the same tokens, against the better choice's
 step time: a drafted step at 64 requests took 173 ms for ~190 tokens where plain steps made 2,400 tokens/s in 23
 ms (a 93 ms loss: probed every 81 steps, not every 24 as a spacing by the ratio of the rates gave, which let 7% of
@@ -49,6 +50,11 @@ class DraftGate:
     # `probe_every` steps and the load sets no bound for heavier ones. One slow early sample (a drafter's first
     # shapes) kept the MTP drafter's dspark arm plain for a whole bench, and with it every heavier load.
     trust: int = 3
+    # Each probe that finds the other choice still the worse one doubles the spacing at its load, up to this factor;
+    # a probe that flips the choice resets it. At 4 clients (Zen 4, in process) drafting lost to plain by a steady
+    # ~40% and its probes, spaced by probe_cost alone, were 2% of the steps and 6% of the time: a settled verdict
+    # needs few re-checks, while a changed one is still found within `max_backoff` spacings.
+    max_backoff: int = 8
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     warm: set[tuple[int, bool]] = field(default_factory=set)  # choices whose warm-up step was seen, per bucket
@@ -56,6 +62,7 @@ class DraftGate:
     recorded: dict[int, int] = field(default_factory=dict)  # steps recorded per load bucket
     last: dict[tuple[int, bool], int] = field(default_factory=dict)  # `recorded` at each choice's last record
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # steps counted per (load bucket, choice)
+    backoff: dict[int, int] = field(default_factory=dict)  # per load bucket: the spacing's factor (max_backoff)
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -78,7 +85,7 @@ class DraftGate:
             # the nearest load measured found drafting slower: plain first, drafting after that load's spacing
             return plain is not None and n % self.spacing(near) == 0
         best = self._pays(b)
-        every = self.spacing(b) if self._trusted(b) else self.probe_every
+        every = self.spacing(b) * self.backoff.get(b, 1) if self._trusted(b) else self.probe_every
         return (not best) if n % every == 0 else best
 
     def _trusted(self, bucket: int) -> bool:
@@ -135,6 +142,8 @@ class DraftGate:
         # that is not taken is only seen at probes, and with per-sample decay a bad first sample kept 35% of its
         # weight after ten probes (160+ steps). Through the server, 8 clients drafted 138 of 178 steps at 0.81x
         # plain in one run, a stale estimate the likely cause. A probe weighs at most half (one step is noisy).
+        # A probe: the choice that is not the better one, at a load with both choices trusted (see backoff).
+        probe = self._trusted(key[0]) and self._pays(key[0]) != drafted
         old = self.sums.get(key)
         if old is not None:
             # One stalled step (a 207 ms plain step among 12 ms ones, 32 requests through the server) is held to
@@ -149,6 +158,9 @@ class DraftGate:
             d = min(d, 1 - 1 / self.samples[key])
         self.sums[key] = (tokens, seconds) if old is None else (d * old[0] + (1 - d) * tokens,
                                                                  d * old[1] + (1 - d) * seconds)
+        if probe:  # confirmed: probe less often; flipped: probe at the plain spacing again
+            b = key[0]
+            self.backoff[b] = min(2 * self.backoff.get(b, 1), self.max_backoff) if self._pays(b) != drafted else 1
 
     @property
     def rates(self) -> dict[tuple[int, bool], float]:
