@@ -584,12 +584,54 @@ def test_native_block_layers_take_batches_in_one_call_and_stay_out_of_training(t
     assert len(native_calls) == model.config.num_layers
     ctx = drafter._context(0)
     x = torch.zeros(1, 4, target.config.hidden_size, requires_grad=True)
-    assert model._native_packs(x, ctx, None) is None  # a gradient is wanted
+    assert model._native_args(x, ctx, None) is None  # a gradient is wanted
     with torch.no_grad():
-        assert model._native_packs(x.detach(), ctx, None) is not None
-        assert model._native_packs(x.detach().bfloat16(), ctx, None) is None
+        assert model._native_args(x.detach(), ctx, None) is not None
+        assert model._native_args(x.detach().bfloat16(), ctx, None) is None
     with torch.enable_grad():
         assert not model.native_batch([ctx])
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_native_layer_arguments_are_described_once_and_remade_when_a_weight_changes(bits, target, native_calls):
+    """A layer's kernel arguments (native.BlockLayerArgs: norms, packs, descriptors) are made once and reused while
+    its weights and norms stay as they are; a norm changed in place or replaced, or a weight replaced, makes them
+    anew, and the native block states follow the change as the torch layers do."""
+    model = make_block(target, head="markov", confidence=True, block_size=4, seed=3)
+    if bits:
+        if not native.qavailable():
+            pytest.skip(no_native_reason())
+        quantize_layers(model, bits)
+    model = model.prepare_inference()
+    drafter = BlockDrafter(model, target)
+    _observed(drafter, 0, PROMPTS[0], target)
+    cache = drafter._context(0)
+    layer = model.layers[0]
+    x = torch.zeros(1, target.config.hidden_size)
+
+    def states(use_native: bool) -> torch.Tensor:
+        model.use_native = use_native
+        with torch.inference_mode():
+            h = model.block_hidden(target.model.embed_tokens, torch.tensor([PROMPTS[0][-1]]),
+                                   torch.tensor([len(PROMPTS[0]) - 1]), cache)
+        model.use_native = True
+        return h
+
+    with torch.no_grad():
+        first = layer.native_args(x)
+        assert first is not None and layer.native_args(x) is first
+        layer.post_attention_layernorm.weight.mul_(1.5)  # in place: a new version of the same storage
+        second = layer.native_args(x)
+        assert second is not first and layer.native_args(x) is second
+        layer.input_layernorm.weight = torch.nn.Parameter(layer.input_layernorm.weight * 0.5)  # a new tensor
+        third = layer.native_args(x)
+        assert third is not second and third.norm_ptrs[0] == layer.input_layernorm.weight.data_ptr()
+        if not bits:  # a replaced weight (a fused one remade) is packed anew
+            layer.fuse()
+            assert layer.native_args(x) is not third
+    calls = len(native_calls)
+    torch.testing.assert_close(states(True), states(False), rtol=1e-5, atol=1e-5)
+    assert len(native_calls) == calls + model.config.num_layers  # the native side took the kernel
 
 
 @pytest.mark.parametrize("bits", [0, 4])

@@ -228,11 +228,11 @@ class BlockDrafter(Drafter):
             new_ctx = None if feats is None else feats[None]
             h = self.model.block_hidden(embed, anchors, anchor_pos, caches[0], None, new_ctx,
                                         self._ctx_start[seq_ids[0]])  # [1, G, d]
-        elif (packs := self.model.native_batch(caches)) is not None:
+        elif (layers := self.model.native_batch(caches)) is not None:
             # each over its own cache, pending rows riding along: one native call a layer
             feats, ns = self._take_pending(seq_ids)
             h = self.model.block_hidden_batch(embed, anchors, anchor_pos, caches, feats, ns,
-                                              [self._ctx_start[sid] for sid in seq_ids], packs)  # [R, G, d]
+                                              [self._ctx_start[sid] for sid in seq_ids], layers)  # [R, G, d]
         else:  # per layer [R, Hkv, width, D], contexts padded to the longest and masked
             self._flush(*seq_ids)
             lengths = torch.tensor([c.length for c in caches], device=device)

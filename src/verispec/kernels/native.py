@@ -566,31 +566,55 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: 
     return y
 
 
+class BlockLayerArgs:
+    """One block drafter layer's fixed arguments to blocklayer.c (its norms, eps, packed weights and dims), checked
+    and described once: a proposal calls each layer every round, and checking and describing these on every call
+    was ~25 us of Python a layer. The holder (model/block.py) remakes it when a weight or norm changes."""
+
+    def __init__(
+        self,
+        norms: tuple[torch.Tensor, ...],  # fp32 input_layernorm [d], post_attention_layernorm [d], q_norm, k_norm [D]
+        eps: float,
+        weights: tuple[Packed | QPacked, ...],  # qkv, o_proj, gate_up, down_proj: pack()ed (bf16 or fp32) or qpack()ed
+        dims: tuple[int, int, int, int],  # H, Hkv, D, F (the MLP's intermediate size)
+    ) -> None:
+        h, hkv, hd, ffn = dims
+        d = norms[0].shape[0] if norms and norms[0].dim() == 1 else -1
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in norms) \
+                or tuple(t.shape for t in norms) != ((d,), (d,), (hd,), (hd,)):
+            raise ValueError("native block layers: norms must be contiguous fp32 [d], [d], [D], [D]")
+        want = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * ffn), (ffn, d))
+        if tuple((p.k, p.n) for p in weights) != want:
+            raise ValueError(f"native block layers: packed weights (in, out) {[(p.k, p.n) for p in weights]}, "
+                             f"expected {list(want)}")
+        for p in weights:
+            if isinstance(p, QPacked):
+                _check_qpacked(p, "block layer")
+        self.norms, self.weights = norms, weights  # held: the kernel reads them through the pointers below
+        self.norm_ptrs = tuple(t.data_ptr() for t in norms)
+        self.eps, self.dims, self.d = eps, dims, d
+        self.descs = (WeightDesc * 4)(*(WeightDesc.of(p) for p in weights))
+        self.qlin = _qlinear_address() if any(isinstance(p, QPacked) for p in weights) else None
+
+
 def block_layer(
     x: torch.Tensor,  # [G, d] fp32 contiguous: the block's residual stream, updated in place
     ctx: torch.Tensor | None,  # [n, d] fp32 contiguous context features (written to the cache first), or None
-    norms: tuple[torch.Tensor, ...],  # fp32 input_layernorm [d], post_attention_layernorm [d], q_norm [D], k_norm [D]
-    eps: float,
-    weights: tuple[Packed | QPacked, ...],  # qkv, o_proj, gate_up, down_proj: pack()ed (bf16 or fp32) or qpack()ed
-    dims: tuple[int, int, int, int],  # H, Hkv, D, F (the MLP's intermediate size)
+    layer: BlockLayerArgs,
     rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [n + G, D] for the rows' positions, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # this layer's cache k, v [Hkv, S_max, D] fp32, rows contiguous
     start: int,  # cached positions: the rows go to start .. start + n + G - 1
     mm_bf16: bool = False,  # round matmul inputs to bf16 (bf16 weights then take the vdpbf16ps path)
 ) -> None:
     """A block drafter layer (model/block.py) for one sequence in one native call: block_layers with one."""
-    block_layers(x, ctx, [0 if ctx is None else ctx.shape[0]], norms, eps, weights, dims, rope, [kv], [start],
-                 mm_bf16)
+    block_layers(x, ctx, [0 if ctx is None else ctx.shape[0]], layer, rope, [kv], [start], mm_bf16)
 
 
 def block_layers(
     x: torch.Tensor,  # [B * G, d] fp32 contiguous: B sequences' block rows back to back, updated in place
     ctx: torch.Tensor | None,  # [sum(ns), d] fp32 contiguous: each sequence's new context features in turn, or None
     ns: list[int],  # per sequence: its new context rows (written to its cache before its block's)
-    norms: tuple[torch.Tensor, ...],  # as block_layer
-    eps: float,
-    weights: tuple[Packed | QPacked, ...],  # as block_layer
-    dims: tuple[int, int, int, int],  # H, Hkv, D, F
+    layer: BlockLayerArgs,
     rope: tuple[torch.Tensor, torch.Tensor],  # fp32 cos, signed sin [sum(ns) + B * G, D]: per sequence its n + G rows
     kvs: list[tuple[torch.Tensor, torch.Tensor]],  # per sequence this layer's cache k, v [Hkv, S_max, D] fp32
     starts: list[int],  # per sequence: cached positions (its rows go to start .. start + n + G - 1)
@@ -601,40 +625,30 @@ def block_layers(
     lib = _required()
     b = len(ns)
     d = x.shape[1]
-    h, hkv, hd, ffn = dims
+    h, hkv, hd, ffn = layer.dims
     cos, sin = rope
-    if not b or len(kvs) != b or len(starts) != b or x.shape[0] % b or any(n < 0 for n in ns):
-        raise ValueError("native block layers: one cache, start and context count per sequence, B * G block rows")
+    if not b or len(kvs) != b or len(starts) != b or x.shape[0] % b or any(n < 0 for n in ns) or d != layer.d:
+        raise ValueError("native block layers: one cache, start and context count per sequence, B * G block rows "
+                         "of the layer's width")
     g = x.shape[0] // b
     ntot = sum(ns)
-    dense = [x, *norms, cos, sin] + ([] if ctx is None else [ctx])
+    dense = [x, cos, sin] + ([] if ctx is None else [ctx])
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in dense) \
             or cos.shape != (ntot + b * g, hd) or sin.shape != cos.shape \
             or (ctx is None) != (ntot == 0) or (ctx is not None and ctx.shape != (ntot, d)):
-        raise ValueError("native block layers: x, ctx, norms and rope tables must be contiguous fp32, ctx "
-                         "[sum(ns), d], rope [sum(ns) + B * G, D]")
-    if tuple(t.shape for t in norms) != ((d,), (d,), (hd,), (hd,)):
-        raise ValueError("native block layers: norms must be [d], [d], [D], [D]")
+        raise ValueError("native block layers: x, ctx and rope tables must be contiguous fp32, ctx [sum(ns), d], "
+                         "rope [sum(ns) + B * G, D]")
     for (k, v), n, start in zip(kvs, ns, starts):
         for t in (k, v):
             _cpu(t, "block layer cache")
         if (k.stride() != v.stride() or k.shape != v.shape or k.dim() != 3 or k.shape[0] != hkv or k.shape[2] != hd
                 or k.stride(-1) != 1 or k.stride(1) < hd or start < 0 or start + n + g > k.shape[1]):
             raise ValueError("native block layers: a cache's rows do not fit or its k and v differ in layout")
-    want = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * ffn), (ffn, d))
-    if tuple((p.k, p.n) for p in weights) != want:
-        raise ValueError(f"native block layers: packed weights (in, out) {[(p.k, p.n) for p in weights]}, "
-                         f"expected {list(want)}")
-    for p in weights:
-        if isinstance(p, QPacked):
-            _check_qpacked(p, "block layer")
-    descs = (WeightDesc * 4)(*(WeightDesc.of(p) for p in weights))
-    qlin = _qlinear_address() if any(isinstance(p, QPacked) for p in weights) else None
     i64s = ctypes.c_int64 * b
     ptrs = ctypes.c_void_p * b
     rc = lib.vs_block_layer_batch(
-        x.data_ptr(), b, g, d, None if ctx is None else ctx.data_ptr(), i64s(*ns), *(t.data_ptr() for t in norms),
-        eps, descs, qlin, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), ptrs(*(k.data_ptr() for k, _ in kvs)),
+        x.data_ptr(), b, g, d, None if ctx is None else ctx.data_ptr(), i64s(*ns), *layer.norm_ptrs, layer.eps,
+        layer.descs, layer.qlin, ffn, h, hkv, hd, cos.data_ptr(), sin.data_ptr(), ptrs(*(k.data_ptr() for k, _ in kvs)),
         ptrs(*(v.data_ptr() for _, v in kvs)), i64s(*(k.stride(0) for k, _ in kvs)),
         i64s(*(k.stride(1) for k, _ in kvs)), i64s(*starts), mm_bf16, torch.get_num_threads(),
     )

@@ -31,7 +31,7 @@ from verispec.config import ModelConfig
 from verispec.errors import ConfigError
 from verispec.kernels import native
 from verispec.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, fuse_linears, native_norm
-from verispec.model.packing import PackedLinear, PackedWeight, linear, pack
+from verispec.model.packing import PackedLinear, PackedWeight, linear, pack, weight_version
 from verispec.quant.linear import QuantLinear
 
 SEQUENTIAL_HEADS = ("markov", "rnn")  # DSpark's heads, drafted left to right
@@ -84,6 +84,7 @@ class _BlockLayer(nn.Module):
         self.kv_packed: PackedWeight | None = None
         self.qkv_quant: QuantLinear | None = None  # set by fuse() where the projections are quantized (quant.drafter)
         self.kv_quant: QuantLinear | None = None  # its k/v rows (views)
+        self._args: tuple[tuple, native.BlockLayerArgs] | None = None  # (sources' key, args): see native_args
 
     def fuse(self) -> None:
         """Inference only: q/k/v become one matmul (k/v one for the context), gate/up one, all packed where
@@ -147,26 +148,59 @@ class _BlockLayer(nn.Module):
             return None
         return tuple(p.packed for _, p in pairs)
 
+    def _native_sources(self) -> tuple[torch.Tensor, ...]:
+        """The tensors native_args' kernel arguments come from: the matmul weights (dense, or the int packs'
+        sources) and the four norms."""
+        if self.qkv_quant is not None:
+            quant = (self.qkv_quant, self.o_proj, self.mlp.gate_up_quant, self.mlp.down_proj)
+            if not all(isinstance(q, QuantLinear) for q in quant):
+                return (None,)
+            weights = tuple(t for q in quant for t in (q.qweight, q.scales))
+        else:
+            weights = (self.qkv_weight, self.o_proj.weight, self.mlp.gate_up_weight, self.mlp.down_proj.weight)
+        return (*weights, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.q_norm.weight,
+                self.k_norm.weight)
+
+    def native_args(self, x: torch.Tensor) -> native.BlockLayerArgs | None:
+        """native_packs(x) with the norms, eps and dims, checked and described for the kernel once
+        (native.BlockLayerArgs) and kept while no source tensor is replaced or changed (storage and version, as
+        native_packs' own check), or None where native_packs is."""
+        sources = self._native_sources()
+        if x.dtype != torch.float32 or x.device.type != "cpu" or any(t is None for t in sources):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in sources)):
+            return None
+        key = tuple((t.data_ptr(), weight_version(t), t.dtype) for t in sources)
+        if self._args is not None and self._args[0] == key:
+            return self._args[1]
+        packs = self.native_packs(x)
+        if packs is None:
+            return None
+        norms = tuple(t.detach() for t in sources[-4:])
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
+            return None
+        args = native.BlockLayerArgs(norms, self.input_layernorm.eps, packs,
+                                     (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features))
+        self._args = (key, args)
+        return args
+
     def native_forward(
         self,
         x: torch.Tensor,  # [G, d] fp32 block, updated in place
-        packs: tuple[native.Packed | native.QPacked, ...],  # native_packs(x)
+        args: native.BlockLayerArgs,  # native_args(x)
         cos: torch.Tensor, sin: torch.Tensor,  # [n + G, D] fp32, positions of the new context rows and the block
         cache: KVCache, index: int,  # one sequence's context cache and this layer's index in it
         new_ctx: torch.Tensor | None,  # [n, d] fp32 context features to write before the block's rows
         bf16_matmuls: bool = False,  # matmul inputs rounded to bf16 (BlockDraftModel.bf16_matmuls)
     ) -> None:
         """forward() for one sequence over its context cache, in one native call (kernels/blocklayer.c)."""
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.q_norm.weight,
-                 self.k_norm.weight)
-        dims = (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features)
-        native.block_layer(x, new_ctx, norms, self.input_layernorm.eps, packs, dims, (cos, sin),
-                           (cache.k[index, 0], cache.v[index, 0]), cache.length, bf16_matmuls)
+        native.block_layer(x, new_ctx, args, (cos, sin), (cache.k[index, 0], cache.v[index, 0]), cache.length,
+                           bf16_matmuls)
 
     def native_forward_batch(
         self,
         x: torch.Tensor,  # [B * G, d] fp32: B sequences' blocks back to back, updated in place
-        packs: tuple[native.Packed | native.QPacked, ...],  # native_packs(x)
+        args: native.BlockLayerArgs,  # native_args(x)
         cos: torch.Tensor, sin: torch.Tensor,  # [sum(ns) + B * G, D] fp32: per sequence its new context rows and block
         caches: list[KVCache], index: int,  # the sequences' context caches and this layer's index in them
         new_ctx: torch.Tensor | None,  # [sum(ns), d] fp32 context features, each sequence's ns[b] rows in turn
@@ -174,12 +208,8 @@ class _BlockLayer(nn.Module):
         bf16_matmuls: bool = False,
     ) -> None:
         """native_forward for several sequences in one call: the matmuls over all their rows at once."""
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.q_norm.weight,
-                 self.k_norm.weight)
-        dims = (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features)
-        native.block_layers(x, new_ctx, ns, norms, self.input_layernorm.eps, packs, dims, (cos, sin),
-                            [(c.k[index, 0], c.v[index, 0]) for c in caches], [c.length for c in caches],
-                            bf16_matmuls)
+        native.block_layers(x, new_ctx, ns, args, (cos, sin), [(c.k[index, 0], c.v[index, 0]) for c in caches],
+                            [c.length for c in caches], bf16_matmuls)
 
     def forward(
         self,
@@ -314,14 +344,14 @@ class BlockDraftModel(nn.Module):
         tokens = torch.full((anchors.shape[0], g), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
         tokens[:, 0] = anchors
         x = embed(tokens).to(self.dtype)
-        packs = self._native_packs(x, ctx, ctx_mask)
-        if packs is not None:  # one sequence over its cache: one native call per layer
+        layers = self._native_args(x, ctx, ctx_mask)
+        if layers is not None:  # one sequence over its cache: one native call per layer
             feats = None if not n else new_ctx[0].to(torch.float32).contiguous()
             first = int(anchor_pos[0]) - n  # positions first .. first + n + G - 1: rows of the fp32 tables
             rope = self.rotary_emb
             cos, sin = rope.cos[first : first + n + g], rope.sin[first : first + n + g]  # [n + G, D]
             for i, layer in enumerate(self.layers):
-                layer.native_forward(x[0], packs[i], cos, sin, ctx, i, feats, self.bf16_matmuls)
+                layer.native_forward(x[0], layers[i], cos, sin, ctx, i, feats, self.bf16_matmuls)
         else:
             positions = anchor_pos[:, None] + torch.arange(-n, g, device=anchors.device)[None]
             cos, sin = self.rotary_emb(positions, x.dtype)
@@ -344,7 +374,7 @@ class BlockDraftModel(nn.Module):
         new_ctx: torch.Tensor | None,  # [sum(ns), d] context features each sequence's cache lacks before its anchor
         ns: list[int],  # ... how many rows of them are each sequence's (written and committed in this forward)
         ctx_starts: list[int],  # the position of each cache's first entry (a sliding window's start)
-        packs: list[tuple[native.Packed | native.QPacked, ...]],  # per layer, from native_batch(caches)
+        layers: list[native.BlockLayerArgs],  # per layer, from native_batch(caches)
     ) -> torch.Tensor:  # [B, G, d] final-normed block states
         """block_hidden for several sequences over their own caches, one native call per layer (no padding, no
         mask)."""
@@ -361,21 +391,21 @@ class BlockDraftModel(nn.Module):
         cos, sin = self.rotary_emb.cos[rows].contiguous(), self.rotary_emb.sin[rows].contiguous()
         feats = None if new_ctx is None else new_ctx.to(torch.float32).contiguous()
         for i, layer in enumerate(self.layers):
-            layer.native_forward_batch(x, packs[i], cos, sin, caches, i, feats, ns, self.bf16_matmuls)
+            layer.native_forward_batch(x, layers[i], cos, sin, caches, i, feats, ns, self.bf16_matmuls)
         for cache, n in zip(caches, ns):
             cache.advance(n)
         return self._norm(self.norm, x.view(b, g, -1))
 
-    def native_batch(self, caches: list[KVCache]) -> list[tuple[native.Packed | native.QPacked, ...]] | None:
-        """Each layer's native packs where block_hidden_batch takes these sequences (fp32 CPU caches, no gradient,
-        every layer natively packed for fp32 activations), else None."""
+    def native_batch(self, caches: list[KVCache]) -> list[native.BlockLayerArgs] | None:
+        """Each layer's native arguments where block_hidden_batch takes these sequences (fp32 CPU caches, no
+        gradient, every layer natively packed for fp32 activations), else None."""
         if not self.use_native or torch.is_grad_enabled() or self.dtype != torch.float32:
             return None
         if any(c.k.dtype != torch.float32 or c.k.device.type != "cpu" for c in caches):
             return None
         probe = torch.empty(1, self.norm.weight.shape[0])  # the packs' checks read an input's dtype and device
-        packs = [layer.native_packs(probe) for layer in self.layers]
-        return None if any(p is None for p in packs) else packs  # type: ignore[return-value]
+        layers = [layer.native_args(probe) for layer in self.layers]
+        return None if any(a is None for a in layers) else layers  # type: ignore[return-value]
 
     # Where a proposal takes kernels/blocklayer.c: sequences over their own context caches (one alone, or a batch
     # through block_hidden_batch), fp32 activations and cache, no gradient, every layer fused and natively packed
@@ -386,13 +416,13 @@ class BlockDraftModel(nn.Module):
     # inputs to bf16, as the bf16 drafter would: its bf16 weights then take the vdpbf16ps path, twice the FMA rate.
     bf16_matmuls = False
 
-    def _native_packs(self, x, ctx, mask) -> list[tuple[torch.Tensor, ...]] | None:
+    def _native_args(self, x, ctx, mask) -> list[native.BlockLayerArgs] | None:
         if not (self.use_native and mask is None and isinstance(ctx, KVCache) and x.shape[0] == 1):
             return None
         if ctx.k.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return None
-        packs = [layer.native_packs(x) for layer in self.layers]
-        return None if any(p is None for p in packs) else packs  # type: ignore[return-value]
+        layers = [layer.native_args(x) for layer in self.layers]
+        return None if any(a is None for a in layers) else layers  # type: ignore[return-value]
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V]
         return self.markov_out(self.markov_in(prev))
