@@ -524,6 +524,17 @@ def quantize_layers(model: BlockDraftModel, bits: int) -> BlockDraftModel:
     return model
 
 
+def native_model(target, bits: int, **kw) -> BlockDraftModel:
+    """A markov, confidence-headed drafter with int `bits` layers (0: dense), loaded for inference; skips where
+    the int kernels cannot build."""
+    model = make_block(target, head="markov", confidence=True, seed=3, **kw)
+    if bits:
+        if not native.qavailable():
+            pytest.skip(no_native_reason())
+        quantize_layers(model, bits)
+    return model.prepare_inference()
+
+
 @pytest.mark.parametrize("bits", [0, 4, 8])
 @pytest.mark.parametrize("pending", [0, 3])
 def test_native_block_layers_equal_the_torch_layers(pending, bits, target, native_calls):
@@ -531,12 +542,7 @@ def test_native_block_layers_equal_the_torch_layers(pending, bits, target, nativ
     kernels/blocklayer.c: the same drafts, confidences, block states and context cache (the rows it commits and
     the block's uncommitted ones) as the torch layers, to rounding, with and without accepted rows riding on the
     proposal."""
-    model = make_block(target, head="markov", confidence=True, block_size=4, seed=3)
-    if bits:
-        if not native.qavailable():
-            pytest.skip(no_native_reason())
-        quantize_layers(model, bits)
-    model = model.prepare_inference()
+    model = native_model(target, bits, block_size=4)
     prompt = PROMPTS[0]
     head = len(prompt) - pending
     with torch.inference_mode():
@@ -597,12 +603,7 @@ def test_native_layer_arguments_are_described_once_and_remade_when_a_weight_chan
     """A layer's kernel arguments (native.BlockLayerArgs: norms, packs, descriptors) are made once and reused while
     its weights and norms stay as they are; a norm changed in place or replaced, or a weight replaced, makes them
     anew, and the native block states follow the change as the torch layers do."""
-    model = make_block(target, head="markov", confidence=True, block_size=4, seed=3)
-    if bits:
-        if not native.qavailable():
-            pytest.skip(no_native_reason())
-        quantize_layers(model, bits)
-    model = model.prepare_inference()
+    model = native_model(target, bits, block_size=4)
     drafter = BlockDrafter(model, target)
     _observed(drafter, 0, PROMPTS[0], target)
     cache = drafter._context(0)
@@ -639,12 +640,7 @@ def test_native_layer_arguments_are_described_once_and_remade_when_a_weight_chan
 def test_native_batched_proposals_equal_one_at_a_time(pending, bits, target, native_calls):
     """Sequences of different context lengths (pending rows riding on the proposal or not) drafted together by the
     native batched layers (dense or int4): each draft and context cache equals the one its sequence gets alone."""
-    model = make_block(target, head="markov", confidence=True, seed=3)
-    if bits:
-        if not native.qavailable():
-            pytest.skip(no_native_reason())
-        quantize_layers(model, bits)
-    model = model.prepare_inference()
+    model = native_model(target, bits)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:9]]
     out = {}
     for batched in (True, False):
