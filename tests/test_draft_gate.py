@@ -379,3 +379,48 @@ def test_without_backoff_the_spacing_stays_put():
         else:
             g.record(40, False, tokens=32, seconds=0.010)
     assert probes == [40, 80, 120, 160, 200]
+
+
+def test_steps_kept_plain_by_a_lighter_load_are_not_probes():
+    """A heavier load held plain because a lighter one found drafting slower records plain steps where drafting is
+    its own better choice: those are no probes, and must not back its spacing off."""
+    g = warmed(1, probe_every=4, probe_cost=0.05, trust=1)
+    g.record(1, True, tokens=2, seconds=0.010)  # one request: drafting 200 tokens/s
+    g.record(1, False, tokens=1, seconds=0.002)  # plain 500
+    for drafted in (True, False):
+        g.record(8, drafted, 1, 1.0)  # 8-15 requests: the warm-ups
+    g.record(8, True, tokens=40, seconds=0.010)  # drafting 4,000 tokens/s
+    g.record(8, False, tokens=8, seconds=0.008)  # plain 1,000
+    for _ in range(50):
+        assert g.draft(8) is False  # kept plain by the lighter load's verdict
+        g.record(8, False, tokens=8, seconds=0.008)
+    assert g.backoff.get(g.bucket(8), 1) == 1
+
+
+def test_a_flip_by_the_chosen_choices_own_steps_resets_the_backoff():
+    """The spacing backs off while probes confirm plain; when plain's own steps slow down until drafting is the
+    better choice, plain (now the other choice) is probed at the plain spacing again, not the backed-off one."""
+    g = warmed(32, probe_every=16, probe_cost=0.05, trust=1, max_backoff=4)
+    g.record(32, True, tokens=32, seconds=0.030)
+    g.record(32, False, tokens=32, seconds=0.010)
+    for _ in range(400):
+        if g.draft(40):
+            g.record(40, True, tokens=32, seconds=0.030)
+        else:
+            g.record(40, False, tokens=32, seconds=0.010)
+    b = g.bucket(32)
+    assert g.backoff[b] == 4
+    for _ in range(300):  # plain slows down (its steps are recorded as they come)
+        g.record(40, False, tokens=32, seconds=0.100)
+        if g.rates[(b, True)] >= 1.1 * g.rates[(b, False)]:
+            break
+    assert g.draft(40) is True and g.backoff[b] == 1
+
+
+def test_a_gate_that_trusts_one_sample_records_a_first_step_of_each_choice():
+    g = DraftGate(trust=0)
+    for drafted in (True, False):
+        g.record(4, drafted, 1, 1.0)  # warm-ups
+    g.record(4, True, tokens=12, seconds=0.010)  # the other choice has no average yet: no verdict to compare
+    g.record(4, False, tokens=4, seconds=0.010)
+    assert set(g.rates) == {(3, True), (3, False)}

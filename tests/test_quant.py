@@ -102,6 +102,23 @@ def test_quant_linear_forward_and_concat():
     assert torch.equal(fused(x.reshape(15, 64))[4:5], fused(x.reshape(15, 64)[4:5]))
 
 
+def test_quant_linear_repacks_after_its_weights_or_scales_change_in_place():
+    """The native int pack (QuantLinear.qpacked) is remade when the int weights or the scales change in place or are
+    replaced, not only when they move: a stale pack computed with the old scales."""
+    if not native.qavailable():
+        pytest.skip("the native int kernels do not build here")
+    g = torch.Generator().manual_seed(2)
+    q, s = quantize_rtn(torch.randn(32, 64, generator=g), QuantScheme(4, 32), torch.float32)
+    lin = QuantLinear(q, s, 4)
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.dequantize()), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        lin.scales.mul_(1.5)  # in place: the same storage, a new version
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.dequantize()), rtol=1e-5, atol=1e-5)
+        lin.qweight.clamp_(-7, 7).neg_()  # in place, the int weights (kept in the int4 range)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.dequantize()), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("dense")

@@ -7,7 +7,8 @@ plain's aggregate). The gate compares committed tokens per second of recent step
 did not, per load (the number of decoding requests, in powers of two), and drafts only where drafting has paid;
 the other choice is retried now and then so that a change of load, text or acceptance shows: every `probe_every`
 steps, or more rarely when it costs more, so that probing costs at most `probe_cost` of the time, and rarer still
-(up to `max_backoff` times) while probes keep confirming the choice. A probe's cost is
+(up to `max_backoff` times) while probes keep confirming the choice; a heavier load that a lighter one keeps plain
+then learns that drafting pays again up to that many times later. A probe's cost is
 the time it takes beyond what the better choice would have taken for the same tokens, against the better choice's
 step time: a drafted step at 64 requests took 173 ms for ~190 tokens where plain steps made 2,400 tokens/s in 23
 ms (a 93 ms loss: probed every 81 steps, not every 24 as a spacing by the ratio of the rates gave, which let 7% of
@@ -17,10 +18,10 @@ Drafting pays less the more requests share a step (each verified token costs rea
 compute-bound), so a load heavier than one where drafting measured slower does not draft at all, not even to probe:
 the lighter load's probes find out when drafting pays again (the DSpark drafter alone took 83 ms a step at 32
 requests against a 9.7 ms plain step, README; the warm-up, first measurement and probes at 32 clients were 8 of 319
-steps in serve-compare run 11). A load is not measured from scratch where the nearest load measured found drafting slower either: it
-starts plain, and its first drafted step waits for that load's probe spacing. (A closed loop's tail drains through
-every lighter load; measuring each by drafting first cost two drafted steps apiece, 67 ms against a plain step's 8 at
-15 requests.)
+steps in serve-compare run 11). A load is not measured from scratch where the nearest load measured found drafting
+slower either: it starts plain, and its first drafted step waits for that load's probe spacing. (A closed loop's
+tail drains through every lighter load; measuring each by drafting first cost two drafted steps apiece, 67 ms
+against a plain step's 8 at 15 requests.)
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class DraftGate:
     last: dict[tuple[int, bool], int] = field(default_factory=dict)  # `recorded` at each choice's last record
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # steps counted per (load bucket, choice)
     backoff: dict[int, int] = field(default_factory=dict)  # per load bucket: the spacing's factor (max_backoff)
+    probing: dict[int, bool] = field(default_factory=dict)  # per load bucket: its latest decision was a probe
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -85,8 +87,12 @@ class DraftGate:
             # the nearest load measured found drafting slower: plain first, drafting after that load's spacing
             return plain is not None and n % self.spacing(near) == 0
         best = self._pays(b)
-        every = self.spacing(b) * self.backoff.get(b, 1) if self._trusted(b) else self.probe_every
-        return (not best) if n % every == 0 else best
+        trusted = self._trusted(b)
+        every = self.spacing(b) * self.backoff.get(b, 1) if trusted else self.probe_every
+        if n % every == 0:
+            self.probing[b] = trusted  # the step about to be recorded at this load is a probe (see record)
+            return not best
+        return best
 
     def _trusted(self, bucket: int) -> bool:
         return min(self.samples.get((bucket, True), 0), self.samples.get((bucket, False), 0)) >= self.trust
@@ -126,6 +132,7 @@ class DraftGate:
     def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A step's committed tokens and wall time (drafting included). Steps that also prefilled are not
         recorded: their time is mostly the prompt's."""
+        probe = self.probing.pop(self.bucket(requests), False)  # taken even by a step that is not counted
         if seconds <= 0:
             return
         key = (self.bucket(requests), drafted)
@@ -142,8 +149,12 @@ class DraftGate:
         # that is not taken is only seen at probes, and with per-sample decay a bad first sample kept 35% of its
         # weight after ten probes (160+ steps). Through the server, 8 clients drafted 138 of 178 steps at 0.81x
         # plain in one run, a stale estimate the likely cause. A probe weighs at most half (one step is noisy).
-        # A probe: the choice that is not the better one, at a load with both choices trusted (see backoff).
-        probe = self._trusted(key[0]) and self._pays(key[0]) != drafted
+        b = key[0]
+        # The verdict before this step, where both choices are trusted: a probe that confirms it backs off, and any
+        # step that flips it (a probe, or the chosen choice's own steps) resets the spacing. Only steps draft()
+        # returned as probes count: one kept plain because a lighter load found drafting slower is no probe.
+        before = self._pays(b) if self._trusted(b) and (b, not drafted) in self.sums and (b, drafted) in self.sums \
+            else None
         old = self.sums.get(key)
         if old is not None:
             # One stalled step (a 207 ms plain step among 12 ms ones, 32 requests through the server) is held to
@@ -158,9 +169,11 @@ class DraftGate:
             d = min(d, 1 - 1 / self.samples[key])
         self.sums[key] = (tokens, seconds) if old is None else (d * old[0] + (1 - d) * tokens,
                                                                  d * old[1] + (1 - d) * seconds)
-        if probe:  # confirmed: probe less often; flipped: probe at the plain spacing again
-            b = key[0]
-            self.backoff[b] = min(2 * self.backoff.get(b, 1), self.max_backoff) if self._pays(b) != drafted else 1
+        if before is not None:
+            if self._pays(b) != before:  # flipped: the other choice is measured at the plain spacing again
+                self.backoff[b] = 1
+            elif probe and before != drafted:  # a probe of the other choice confirmed the verdict
+                self.backoff[b] = min(2 * self.backoff.get(b, 1), self.max_backoff)
 
     @property
     def rates(self) -> dict[tuple[int, bool], float]:

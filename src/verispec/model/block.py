@@ -84,7 +84,8 @@ class _BlockLayer(nn.Module):
         self.kv_packed: PackedWeight | None = None
         self.qkv_quant: QuantLinear | None = None  # set by fuse() where the projections are quantized (quant.drafter)
         self.kv_quant: QuantLinear | None = None  # its k/v rows (views)
-        self._args: tuple[tuple, native.BlockLayerArgs] | None = None  # (sources' key, args): see native_args
+        # (sources, their key, args): see native_args
+        self._args: tuple[tuple[torch.Tensor, ...], tuple, native.BlockLayerArgs] | None = None
 
     def fuse(self) -> None:
         """Inference only: q/k/v become one matmul (k/v one for the context), gate/up one, all packed where
@@ -148,9 +149,9 @@ class _BlockLayer(nn.Module):
             return None
         return tuple(p.packed for _, p in pairs)
 
-    def _native_sources(self) -> tuple[torch.Tensor, ...]:
+    def _native_sources(self) -> tuple[torch.Tensor | None, ...]:
         """The tensors native_args' kernel arguments come from: the matmul weights (dense, or the int packs'
-        sources) and the four norms."""
+        sources) and the four norms; a None where a layer is not fused for the native path."""
         if self.qkv_quant is not None:
             quant = (self.qkv_quant, self.o_proj, self.mlp.gate_up_quant, self.mlp.down_proj)
             if not all(isinstance(q, QuantLinear) for q in quant):
@@ -163,16 +164,17 @@ class _BlockLayer(nn.Module):
 
     def native_args(self, x: torch.Tensor) -> native.BlockLayerArgs | None:
         """native_packs(x) with the norms, eps and dims, checked and described for the kernel once
-        (native.BlockLayerArgs) and kept while no source tensor is replaced or changed (storage and version, as
-        native_packs' own check), or None where native_packs is."""
+        (native.BlockLayerArgs) and kept while the same source tensors hold the same storage and version (as
+        native_packs' own check; held, so that a freed tensor's address reused by a new one never matches), or
+        None where native_packs is."""
         sources = self._native_sources()
         if x.dtype != torch.float32 or x.device.type != "cpu" or any(t is None for t in sources):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in sources)):
             return None
-        key = tuple((t.data_ptr(), weight_version(t), t.dtype) for t in sources)
-        if self._args is not None and self._args[0] == key:
-            return self._args[1]
+        key = (*((t.data_ptr(), weight_version(t), t.dtype) for t in sources), self.input_layernorm.eps)
+        if self._args is not None and self._args[1] == key and all(a is b for a, b in zip(self._args[0], sources)):
+            return self._args[2]
         packs = self.native_packs(x)
         if packs is None:
             return None
@@ -181,7 +183,7 @@ class _BlockLayer(nn.Module):
             return None
         args = native.BlockLayerArgs(norms, self.input_layernorm.eps, packs,
                                      (self.nq, self.nkv, self.head_dim, self.mlp.down_proj.in_features))
-        self._args = (key, args)
+        self._args = (sources, key, args)
         return args
 
     def native_forward(

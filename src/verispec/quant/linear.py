@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.kernels import native
-from verispec.model.packing import PackedWeight, linear, pack
+from verispec.model.packing import PackedWeight, linear, pack, weight_version
 from verispec.quant.act8 import w4a8_linear
 from verispec.quant.rtn import dequantize
 
@@ -47,7 +47,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._dense: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, PackedWeight | None]] = {}
-        self._qpacked = None  # native.QPacked, made on the first native call
+        self._qpacked: tuple[tuple, native.QPacked] | None = None  # (sources' key, pack): see qpacked
 
     @classmethod
     def concat(cls, parts: Sequence[QuantLinear]) -> QuantLinear:
@@ -86,12 +86,14 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def qpacked(self) -> native.QPacked:
-        """The weight in qgemm.c's layout (native.qpack), made on first use and kept until the buffers move; the
+        """The weight in qgemm.c's layout (native.qpack), made on first use and again when the int weights or the
+        scales are replaced or changed in place (storage and version, as a dense PackedWeight is checked); the
         native forward (model.fused) describes the same pack to decoder.c."""
-        if self._qpacked is None:
-            self._qpacked = native.qpack(self.qweight.contiguous(), self.scales.float().contiguous(),
-                                         self.group_size, self.bits, self.act_bits)
-        return self._qpacked
+        key = tuple((t.data_ptr(), weight_version(t)) for t in (self.qweight, self.scales))
+        if self._qpacked is None or self._qpacked[0] != key:
+            self._qpacked = (key, native.qpack(self.qweight.contiguous(), self.scales.float().contiguous(),
+                                               self.group_size, self.bits, self.act_bits))
+        return self._qpacked[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and native.qavailable():
