@@ -2,6 +2,7 @@
 #ifndef VERISPEC_VECMATH_H
 #define VERISPEC_VECMATH_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -75,6 +76,31 @@ static inline __m256 exp_ps(__m256 x) {
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* f, or f rounded to bf16 where a pass computes as a bf16 model does (decoder.c's `bf16` flag). */
+static inline float act(int bf16, float f) { return bf16 ? bf16_round(f) : f; }
+static inline __m256 act8(int bf16, __m256 v) { return bf16 ? bf16_round_ps(v) : v; }
+
+/* a[i] = act(act(silu(g)) * u) over a row [gate (n) ; up (n)], into the gate half; g, u = act(a[i]), act(a[n + i]).
+ * silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) (never overflows), 8 lanes at a time. */
+static inline void silu_mul(float *a, int64_t n, int bf16) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = act8(bf16, _mm256_loadu_ps(a + i));
+        const __m256 e = exp_ps(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+        /* 1 / (1 + e) for g >= 0, e / (1 + e) below: one correctly rounded division either way */
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, _mm256_cmp_ps(g, zero, _CMP_LT_OQ)),
+                                         _mm256_add_ps(one, e));
+        const __m256 u = act8(bf16, _mm256_loadu_ps(a + n + i));
+        _mm256_storeu_ps(a + i, act8(bf16, _mm256_mul_ps(act8(bf16, _mm256_mul_ps(g, sig)), u)));
+    }
+    for (; i < n; i++) {
+        const float g = act(bf16, a[i]), e = expf(-fabsf(g));
+        const float sig = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+        a[i] = act(bf16, act(bf16, g * sig) * act(bf16, a[n + i]));
+    }
 }
 
 #endif
