@@ -52,9 +52,10 @@ class DraftGate:
     # shapes) kept the MTP drafter's dspark arm plain for a whole bench, and with it every heavier load.
     trust: int = 3
     # Each probe that finds the other choice still the worse one doubles the spacing at its load, up to this factor;
-    # a probe that flips the choice resets it. At 4 clients (Zen 4, in process) drafting lost to plain by a steady
-    # ~40% and its probes, spaced by probe_cost alone, were 2% of the steps and 6% of the time: a settled verdict
-    # needs few re-checks, while a changed one is still found within `max_backoff` spacings.
+    # any step that flips the choice resets it. At 4 clients (Zen 4, in process, scripts/engine_ab.py --vary)
+    # drafting lost to plain by a steady ~40%, and with probes spaced by probe_cost alone the drafted steps were 3%
+    # of the steps and 8% of the time: a settled verdict needs few re-checks, while a changed one is still found
+    # within `max_backoff` spacings.
     max_backoff: int = 8
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
