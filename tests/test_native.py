@@ -278,13 +278,16 @@ def _fp32_cache(model, max_len: int) -> KVCache:
 
 
 @needs_native
-def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_threads):
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_threads, head_dim):
     """A bf16 model's keys and values are bf16 values: its cache holds them in bf16 (half the bytes a step streams)
-    and the native forward reads them as the fp32 values they are, so every logit and every cache entry equals the
-    fp32 cache's bit for bit: a prefill, a verify step of 9, and a packed step of ragged sequences in one call."""
+    and the native forward reads them as the fp32 values they are: a prefill, a verify step of 9, and a packed step
+    of ragged sequences in one call. At head_dim 16 every logit and cache entry equals the fp32 cache's bit for bit;
+    where the head dim is a multiple of 32 (the zoo's 64) the bf16 cache's scores are attention.c's pair scores (the
+    same exact products, summed in vdpbf16ps's order), so the two agree to rounding."""
     from verispec.cache import PackedBatch
 
-    model = tiny_model(3).to(BF16).pack_weights()
+    model = tiny_model(3, head_dim=head_dim).to(BF16).pack_weights()
     assert model.kv_dtype == BF16 and KVCache.for_model(model, max_len=4).k.dtype == BF16
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (41, 17, 23)]
@@ -301,12 +304,13 @@ def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_thre
             batch = PackedBatch.build(caches, lengths, torch.device("cpu"))
             logits.append(model.forward_packed(tokens, batch, torch.arange(sum(lengths)))[0])
             out[name] = (logits, caches)
+    same = torch.equal if head_dim % 32 else lambda a, b: torch.allclose(a.float(), b.float(), rtol=0.02, atol=0.02)
     for got, want in zip(out["bf16"][0], out["fp32"][0]):
-        assert torch.equal(got, want)
+        assert same(got, want)
     for got, want in zip(out["bf16"][1], out["fp32"][1]):
         assert got.k.dtype == BF16 and got.length == want.length
-        assert torch.equal(got.k[..., : got.length, :].float(), want.k[..., : want.length, :])
-        assert torch.equal(got.v[..., : got.length, :].float(), want.v[..., : want.length, :])
+        assert same(got.k[..., : got.length, :].float(), want.k[..., : want.length, :])
+        assert same(got.v[..., : got.length, :].float(), want.v[..., : want.length, :])
 
 
 @needs_native

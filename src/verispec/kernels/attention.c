@@ -18,8 +18,11 @@
  * loaded once for both; each query's sums keep their order, so pairing changes no bit.
  *
  * vs_attention_batch: many sequences' queries, each over its own cache (vs_attn_job), in one call; a cache may hold
- * bf16 keys and values (a bf16 model's are bf16 values: exact, half the bytes a step streams), read as the fp32
- * values they are, so the result equals an fp32 cache's holding the same values bit for bit. */
+ * bf16 keys and values (a bf16 model's are bf16 values: exact, half the bytes a step streams). Its scores are then
+ * the pair scores where D is a multiple of 32 (see prep_pair_q: the same exact products, summed in vdpbf16ps's
+ * order, straight off the bf16 rows on AVX-512 BF16), else the fp32 scores of its values; p @ V reads its values as
+ * the fp32 values they are. So a bf16 cache gives an fp32 cache's result bit for bit only where D % 32 != 0, and
+ * to rounding elsewhere; every other property above holds for both. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -181,6 +184,145 @@ static inline float score1(const float *q, const float *k, int64_t D, float scal
     return hsum(a) * scale;
 }
 
+/* Scores over a bf16 cache with D a multiple of 32 (the "pair" scores): q . k summed as vdpbf16ps sums bf16 pairs.
+ * Lane l (0..15) of a key's sum takes, for each 32-dim chunk c in order, dim 32c + 2l + 1 and then dim 32c + 2l, each
+ * product exact (q and k are bf16 values: a bf16 model's queries are rounded before attention, and a query that is
+ * not is rounded here) and each sum rounded once, i.e. two FMAs; lanes l and l + 8 are then added and the 8 sums go
+ * through hsum8's tree (hsum for a key alone: the same lane). AVX-512 BF16 runs it as vdpbf16ps straight off the
+ * cache's rows (no widening, half the multiply instructions); the other builds widen a block of rows once into
+ * "split" fp32 rows (per chunk: the pairs' 16 odd dims, then their 16 even ones; queries alike) and run the same
+ * FMAs, so every build gives the same bits (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them:
+ * only there can builds differ, gemm.c's one caveat). A query is prepared once per group() call (prep_pair_q). */
+#if defined(__AVX512BF16__)
+/* a query's values as bf16 bits, in order */
+static inline void prep_pair_q(const float *q, int64_t D, float *out) {
+    uint16_t *o = (uint16_t *)out;
+    for (int64_t d = 0; d < D; d++) o[d] = bf16_bits(q[d]);
+}
+
+/* lanes l and l + 8 of a 16-lane sum added: the 8 lanes hsum8 takes */
+static inline __m256 fold16(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+#define LOADBH(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+
+/* one key (row k of the cache) */
+static inline float pair_score1(const float *qp, const void *k, int64_t D, float scale) {
+    const uint16_t *q = (const uint16_t *)qp, *kr = (const uint16_t *)k;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) a = _mm512_dpbf16_ps(a, LOADBH(q + c), LOADBH(kr + c));
+    return hsum(fold16(a)) * scale;
+}
+
+/* NQ (1 or 2) queries over one full block of 8 keys (rows kss elements apart), each key row loaded once for all:
+ * 8 x NQ accumulators in registers, chunk by chunk */
+static inline __attribute__((always_inline)) void pair_block(const int NQ, const float *qp0, const float *qp1,
+                                                             const uint16_t *k, int64_t kss, int64_t D, float scale,
+                                                             float *scores0, float *scores1) {
+    const uint16_t *q0 = (const uint16_t *)qp0, *q1 = (const uint16_t *)qp1;
+    __m512 a[8], b[8];
+    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+        const __m512bh x0 = LOADBH(q0 + c), x1 = NQ == 2 ? LOADBH(q1 + c) : x0;
+        for (int j = 0; j < 8; j++) {
+            const __m512bh kv = LOADBH(k + j * kss + c);
+            a[j] = _mm512_dpbf16_ps(a[j], x0, kv);
+            if (NQ == 2) b[j] = _mm512_dpbf16_ps(b[j], x1, kv);
+        }
+    }
+    __m256 t[8];
+    for (int j = 0; j < 8; j++) t[j] = fold16(a[j]);
+    _mm256_storeu_ps(scores0, _mm256_mul_ps(hsum8(t), _mm256_set1_ps(scale)));
+    if (NQ == 2) {
+        for (int j = 0; j < 8; j++) t[j] = fold16(b[j]);
+        _mm256_storeu_ps(scores1, _mm256_mul_ps(hsum8(t), _mm256_set1_ps(scale)));
+    }
+}
+
+/* The block's key rows as the score loops read them: the cache's own bf16 rows */
+static inline const void *pair_rows(const void *k, int64_t kss, int64_t s0, int64_t n, int64_t D, float *buf,
+                                    int64_t *stride) {
+    (void)n, (void)D, (void)buf;
+    *stride = kss;
+    return (const uint16_t *)k + s0 * kss;
+}
+#else
+/* a query as split rows (see above), each value rounded to bf16 */
+static inline void prep_pair_q(const float *q, int64_t D, float *out) {
+    for (int64_t c = 0; c < D; c += 32)
+        for (int64_t l = 0; l < 16; l++) {
+            out[c + l] = bf16_round(q[c + 2 * l + 1]);
+            out[c + 16 + l] = bf16_round(q[c + 2 * l]);
+        }
+}
+
+/* bf16 rows [s0, s0 + n) widened into buf as split rows, D floats apart (exact) */
+static inline const void *pair_rows(const void *k, int64_t kss, int64_t s0, int64_t n, int64_t D, float *buf,
+                                    int64_t *stride) {
+    const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *src = (const uint16_t *)k + (s0 + r) * kss;
+        float *o = buf + r * D;
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(src + c));
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(src + c + 16));
+            _mm256_storeu_ps(o + c, _mm256_castsi256_ps(_mm256_and_si256(lo, odd)));
+            _mm256_storeu_ps(o + c + 8, _mm256_castsi256_ps(_mm256_and_si256(hi, odd)));
+            _mm256_storeu_ps(o + c + 16, _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)));
+            _mm256_storeu_ps(o + c + 24, _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)));
+        }
+    }
+    *stride = D;
+    return buf;
+}
+
+/* one key's 16 lanes as two halves (lanes 0-7 in a, 8-15 in b), added as fold16 adds them */
+static inline __m256 split_key(const float *q, const float *k, int64_t D) {
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), b);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 16), _mm256_loadu_ps(k + c + 16), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 24), _mm256_loadu_ps(k + c + 24), b);
+    }
+    return _mm256_add_ps(a, b);
+}
+
+static inline float pair_score1(const float *qp, const void *k, int64_t D, float scale) {
+    float row[512]; /* group() takes pair scores for D <= 512 only */
+    int64_t st;
+    return hsum(split_key(qp, (const float *)pair_rows(k, 0, 0, 1, D, row, &st), D)) * scale;
+}
+
+/* NQ queries over one full block of 8 split rows, four keys at a time per query (8 accumulators in 16 registers) */
+static inline __attribute__((always_inline)) void pair_block(const int NQ, const float *qp0, const float *qp1,
+                                                             const float *k, int64_t kss, int64_t D, float scale,
+                                                             float *scores0, float *scores1) {
+    for (int qi = 0; qi < NQ; qi++) {
+        const float *q = qi ? qp1 : qp0;
+        __m256 t[8];
+        for (int j0 = 0; j0 < 8; j0 += 4) {
+            __m256 a[4], b[4];
+            for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < D; c += 32) {
+                const __m256 x0 = _mm256_loadu_ps(q + c), x1 = _mm256_loadu_ps(q + c + 8);
+                const __m256 x2 = _mm256_loadu_ps(q + c + 16), x3 = _mm256_loadu_ps(q + c + 24);
+                for (int j = 0; j < 4; j++) {
+                    const float *kr = k + (j0 + j) * kss + c;
+                    a[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kr), a[j]);
+                    b[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(kr + 8), b[j]);
+                    a[j] = _mm256_fmadd_ps(x2, _mm256_loadu_ps(kr + 16), a[j]);
+                    b[j] = _mm256_fmadd_ps(x3, _mm256_loadu_ps(kr + 24), b[j]);
+                }
+            }
+            for (int j = 0; j < 4; j++) t[j0 + j] = _mm256_add_ps(a[j], b[j]);
+        }
+        _mm256_storeu_ps(qi ? scores1 : scores0, _mm256_mul_ps(hsum8(t), _mm256_set1_ps(scale)));
+    }
+}
+#endif
+
 #define KEY_CHUNK 32 /* keys of V (8 KB at D = 64) kept in L1 while every query of the group reads them */
 /* Keys (values) prefetched PF_KEYS (KEY_CHUNK) rows ahead of the score (p @ V) loop: a step streams the cache from
  * memory once (9 queries over 609 keys, 8 layers out of cache: 1.89 -> 1.69 ms on a 2-vCPU Zen 3). A prefetch
@@ -221,13 +363,33 @@ static inline const float *rows_f32(const void *base, int kv16, int64_t kss, int
  * block at a time into buf, KEY_CHUNK x D floats). */
 static void group(const float *const *qs, float *const *o, const int64_t *n, const int64_t *const *tail,
                   const int64_t *m, int64_t nq, const void *k, const void *v, int64_t kss, int64_t D, int64_t S,
-                  float scale, float *p, int64_t sp, int kv16, float *buf) {
+                  float scale, float *p, int64_t sp, int kv16, float *buf, float *qp) {
     const int64_t esz = kv16 ? 2 : 4;
+    const int pairs = kv16 && D % 32 == 0 && D <= 512; /* the pair scores (see prep_pair_q) */
     int64_t nmax = 0, st;
     for (int64_t i = 0; i < nq; i++) nmax = n[i] > nmax ? n[i] : nmax;
+    if (pairs)
+        for (int64_t i = 0; i < nq; i++) prep_pair_q(qs[i], D, qp + i * D);
     for (int64_t s0 = 0; s0 < nmax; s0 += 8) {
         prefetch_rows((const char *)k + (s0 + PF_KEYS) * kss * esz, 8, kss * esz);
         const int64_t cnt = S - s0 < 8 ? S - s0 : 8; /* a block may run past n[i]: those scores are never read */
+        if (pairs) {
+            const void *kb = pair_rows(k, kss, s0, cnt, D, buf, &st);
+            for (int64_t i = 0; i < nq; i++) {
+                if (n[i] <= s0) continue;
+                float *pi = p + i * sp + s0;
+                if (cnt < 8) { /* the cache's last keys, one by one */
+                    for (int64_t j = 0; j < cnt; j++)
+                        pi[j] = pair_score1(qp + i * D, (const uint16_t *)k + (s0 + j) * kss, D, scale);
+                } else if (i + 1 < nq && n[i + 1] > s0) {
+                    pair_block(2, qp + i * D, qp + (i + 1) * D, kb, st, D, scale, pi, pi + sp);
+                    i++;
+                } else {
+                    pair_block(1, qp + i * D, NULL, kb, st, D, scale, pi, NULL);
+                }
+            }
+            continue;
+        }
         const float *kb = rows_f32(k, kv16, kss, s0, cnt, D, buf, &st);
         for (int64_t i = 0; i < nq; i++) {
             if (n[i] <= s0) continue;
@@ -242,7 +404,9 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
     if (tail) /* after the blocks, which may have written past n[i] */
         for (int64_t i = 0; i < nq; i++)
             for (int64_t j = 0; j < m[i]; j++)
-                p[i * sp + n[i] + j] = score1(qs[i], rows_f32(k, kv16, kss, tail[i][j], 1, D, buf, &st), D, scale);
+                p[i * sp + n[i] + j] =
+                    pairs ? pair_score1(qp + i * D, (const uint16_t *)k + tail[i][j] * kss, D, scale)
+                          : score1(qs[i], rows_f32(k, kv16, kss, tail[i][j], 1, D, buf, &st), D, scale);
     for (int64_t i = 0; i < nq; i++) {
         float *pi = p + i * sp;
         const int64_t ni = n[i] + (tail ? m[i] : 0), n8 = (ni + 7) & ~(int64_t)7;
@@ -326,7 +490,8 @@ int vs_attention_batch(const vs_attn_job *jobs, int64_t njobs, int64_t H, int64_
         const int64_t **tl = (const int64_t **)malloc((size_t)nq_max * sizeof(int64_t *));
         int64_t *m = (int64_t *)malloc((size_t)nq_max * sizeof(int64_t));
         float *buf = (float *)malloc((size_t)(KEY_CHUNK * D) * sizeof(float)); /* a bf16 block widened */
-        const int ok = p && qs && o && n && tl && m && buf;
+        float *qp = (float *)malloc((size_t)(QCHUNK * D) * sizeof(float)); /* a chunk's queries for pair scores */
+        const int ok = p && qs && o && n && tl && m && buf && qp;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -359,7 +524,7 @@ int vs_attention_batch(const vs_attn_job *jobs, int64_t njobs, int64_t H, int64_
             for (int64_t c = 0; c < live; c += QCHUNK) /* a prefill's queries a chunk at a time: p stays in L2 */
                 group(qs + c, o + c, n + c, J->tails ? tl + c : NULL, J->tails ? m + c : NULL,
                       live - c < QCHUNK ? live - c : QCHUNK, (const char *)J->k + head, (const char *)J->v + head,
-                      J->kss, D, S, scale, p, sp, J->kv_bf16, buf);
+                      J->kss, D, S, scale, p, sp, J->kv_bf16, buf, qp);
         }
         free(p);
         free(qs);
@@ -368,6 +533,7 @@ int vs_attention_batch(const vs_attn_job *jobs, int64_t njobs, int64_t H, int64_
         free(tl);
         free(m);
         free(buf);
+        free(qp);
     }
     return failed ? -1 : 0;
 }
