@@ -5,9 +5,9 @@ other repeat, medians), and says whether their outputs are bit-identical. Whole 
 than most kernel changes; calls side by side in one process do not.
     python scripts/kernel_ab.py --base HEAD~1 --target bf16 --contexts 150,1000,1800 --rows 1,9 --prefill 1000
 --target: a name of quant_report.py's copies (bf16 is zoo/target; the others are made under .cache/quant if missing).
---generate ARMS (e.g. plain,ngram@dspark) adds end-to-end cases: each arm's greedy generations over the short
-bucket's prompts (quant_report.py's), prefill included, each kernel build with its own LLM (its own acceptance
-estimate), outputs compared token for token.
+--generate ARMS (e.g. plain,ngram@dspark) adds end-to-end cases: each arm's greedy generations over a bucket's
+prompts (quant_report.py's; --gen-bucket, short by default), prefill included, each kernel build with its own LLM
+(its own acceptance estimate), outputs compared token for token.
 """
 from __future__ import annotations
 
@@ -61,8 +61,10 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=1000, help="tokens of a timed prefill (0: none)")
     ap.add_argument("--repeats", type=int, default=150)
     ap.add_argument("--generate", default="", help="drafter arms timed end to end (plain, ngram@dspark, ...)")
-    ap.add_argument("--gen-prompts", type=int, default=8, help="short-bucket prompts per generate case")
-    ap.add_argument("--gen-tokens", type=int, default=128, help="new tokens per generation")
+    ap.add_argument("--gen-bucket", default="short", choices=sorted(qr.BUCKETS), help="quant_report.py's bucket "
+                    "whose prompts the generate cases run (short: 64-token prompts; long: ~1,800)")
+    ap.add_argument("--gen-prompts", type=int, default=8, help="prompts per generate case")
+    ap.add_argument("--gen-tokens", type=int, default=0, help="new tokens per generation (0: the bucket's)")
     args = ap.parse_args()
     tdir = qr.copy_dir(args.target)
     plain = LLM(tdir)
@@ -98,8 +100,9 @@ def main() -> None:
         cases[f"prefill {args.prefill}"] = (None, prefill(args.prefill), max(args.repeats // 12, 3))
     cases.update({f"{r} rows at {c}": (c, step(c, r), args.repeats) for c in contexts for r in rows})
     if args.generate:
-        prompts, _ = qr.bucket_prompts("short", plain.tokenizer, args.gen_prompts, args.gen_tokens, 64)
-        params = SamplingParams(max_tokens=args.gen_tokens, ignore_eos=True)
+        gen_tokens = args.gen_tokens or qr.BUCKETS[args.gen_bucket]
+        prompts, _ = qr.bucket_prompts(args.gen_bucket, plain.tokenizer, args.gen_prompts, gen_tokens, 64)
+        params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
         for arm in args.generate.split(","):
             spec = qr.base(arm)
             llms = {k: plain if spec == "plain" else LLM(target, drafter=spec, k=8, policy="dspark" if arm.endswith(

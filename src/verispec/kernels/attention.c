@@ -19,9 +19,9 @@
  *
  * vs_attention_batch: many sequences' queries, each over its own cache (vs_attn_job), in one call; a cache may hold
  * bf16 keys and values (a bf16 model's are bf16 values: exact, half the bytes a step streams). Its scores are then
- * the pair scores where D is a multiple of 32 (see prep_pair_q: the same exact products, summed in vdpbf16ps's
+ * the pair scores where D is a multiple of 16 (see prep_pair_q: the same exact products, summed in vdpbf16ps's
  * order, straight off the bf16 rows on AVX-512 BF16), else the fp32 scores of its values; p @ V reads its values as
- * the fp32 values they are. So a bf16 cache gives an fp32 cache's result bit for bit only where D % 32 != 0, and
+ * the fp32 values they are. So a bf16 cache gives an fp32 cache's result bit for bit only where D % 16 != 0, and
  * to rounding elsewhere; every other property above holds for both. */
 #include <immintrin.h>
 #include <math.h>
@@ -184,15 +184,16 @@ static inline float score1(const float *q, const float *k, int64_t D, float scal
     return hsum(a) * scale;
 }
 
-/* Scores over a bf16 cache with D a multiple of 32 (the "pair" scores): q . k summed as vdpbf16ps sums bf16 pairs.
- * Lane l (0..15) of a key's sum takes, for each 32-dim chunk c in order, dim 32c + 2l + 1 and then dim 32c + 2l, each
- * product exact (q and k are bf16 values: a bf16 model's queries are rounded before attention, and a query that is
- * not is rounded here) and each sum rounded once, i.e. two FMAs; lanes l and l + 8 are then added and the 8 sums go
- * through hsum8's tree (hsum for a key alone: the same lane). AVX-512 BF16 runs it as vdpbf16ps straight off the
- * cache's rows (no widening, half the multiply instructions); the other builds widen a block of rows once into
- * "split" fp32 rows (per chunk: the pairs' 16 odd dims, then their 16 even ones; queries alike) and run the same
- * FMAs, so every build gives the same bits (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them:
- * only there can builds differ, gemm.c's one caveat). A query is prepared once per group() call (prep_pair_q). */
+/* Scores over a bf16 cache with D a multiple of 16 (the "pair" scores): q . k summed as vdpbf16ps sums bf16 pairs
+ * on 8 lanes. Lane l (0..7) of a key's sum takes, for each 16-dim chunk c in order, dim c + 2l + 1 and then dim
+ * c + 2l, each product exact (q and k are bf16 values: a bf16 model's queries are rounded before attention, and a
+ * query that is not is rounded here) and each sum rounded once, i.e. two FMAs; the 8 lanes then go through hsum8's
+ * tree (hsum for a key alone: the same lane). AVX-512 BF16 runs it as 256-bit vdpbf16ps straight off the cache's
+ * rows (no widening, half the multiply instructions; on a Zen 4 a 256-bit one retires as many products a cycle as a
+ * 512-bit one); the other builds widen a block of rows once into "split" fp32 rows (per chunk: the pairs' 8 odd
+ * dims, then their 8 even ones; queries alike) and run the same FMAs, so every build gives the same bits
+ * (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them: only there can builds differ, gemm.c's
+ * one caveat). A query is prepared once per group() call (prep_pair_q); the loops are scores8's and scores8x2's. */
 #if defined(__AVX512BF16__)
 /* a query's values as bf16 bits, in order */
 static inline void prep_pair_q(const float *q, int64_t D, float *out) {
@@ -200,47 +201,37 @@ static inline void prep_pair_q(const float *q, int64_t D, float *out) {
     for (int64_t d = 0; d < D; d++) o[d] = bf16_bits(q[d]);
 }
 
-/* lanes l and l + 8 of a 16-lane sum added: the 8 lanes hsum8 takes */
-static inline __m256 fold16(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
+#define LOADBH(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
 
-#define LOADBH(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
-
-/* one key (row k of the cache) */
+/* one key (a row of the cache) */
 static inline float pair_score1(const float *qp, const void *k, int64_t D, float scale) {
     const uint16_t *q = (const uint16_t *)qp, *kr = (const uint16_t *)k;
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 32) a = _mm512_dpbf16_ps(a, LOADBH(q + c), LOADBH(kr + c));
-    return hsum(fold16(a)) * scale;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) a = _mm256_dpbf16_ps(a, LOADBH(q + c), LOADBH(kr + c));
+    return hsum(a) * scale;
 }
 
 /* NQ (1 or 2) queries over one full block of 8 keys (rows kss elements apart), each key row loaded once for all:
- * 8 x NQ accumulators in registers, chunk by chunk */
+ * 8 x NQ accumulators, chunk by chunk */
 static inline __attribute__((always_inline)) void pair_block(const int NQ, const float *qp0, const float *qp1,
                                                              const uint16_t *k, int64_t kss, int64_t D, float scale,
                                                              float *scores0, float *scores1) {
     const uint16_t *q0 = (const uint16_t *)qp0, *q1 = (const uint16_t *)qp1;
-    __m512 a[8], b[8];
-    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 32) {
-        const __m512bh x0 = LOADBH(q0 + c), x1 = NQ == 2 ? LOADBH(q1 + c) : x0;
+    __m256 a[8], b[8];
+    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m256bh x0 = LOADBH(q0 + c), x1 = NQ == 2 ? LOADBH(q1 + c) : x0;
         for (int j = 0; j < 8; j++) {
-            const __m512bh kv = LOADBH(k + j * kss + c);
-            a[j] = _mm512_dpbf16_ps(a[j], x0, kv);
-            if (NQ == 2) b[j] = _mm512_dpbf16_ps(b[j], x1, kv);
+            const __m256bh kv = LOADBH(k + j * kss + c);
+            a[j] = _mm256_dpbf16_ps(a[j], x0, kv);
+            if (NQ == 2) b[j] = _mm256_dpbf16_ps(b[j], x1, kv);
         }
     }
-    __m256 t[8];
-    for (int j = 0; j < 8; j++) t[j] = fold16(a[j]);
-    _mm256_storeu_ps(scores0, _mm256_mul_ps(hsum8(t), _mm256_set1_ps(scale)));
-    if (NQ == 2) {
-        for (int j = 0; j < 8; j++) t[j] = fold16(b[j]);
-        _mm256_storeu_ps(scores1, _mm256_mul_ps(hsum8(t), _mm256_set1_ps(scale)));
-    }
+    _mm256_storeu_ps(scores0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+    if (NQ == 2) _mm256_storeu_ps(scores1, _mm256_mul_ps(hsum8(b), _mm256_set1_ps(scale)));
 }
 
-/* The block's key rows as the score loops read them: the cache's own bf16 rows */
+/* the block's key rows as the score loops read them: the cache's own bf16 rows */
 static inline const void *pair_rows(const void *k, int64_t kss, int64_t s0, int64_t n, int64_t D, float *buf,
                                     int64_t *stride) {
     (void)n, (void)D, (void)buf;
@@ -250,10 +241,10 @@ static inline const void *pair_rows(const void *k, int64_t kss, int64_t s0, int6
 #else
 /* a query as split rows (see above), each value rounded to bf16 */
 static inline void prep_pair_q(const float *q, int64_t D, float *out) {
-    for (int64_t c = 0; c < D; c += 32)
-        for (int64_t l = 0; l < 16; l++) {
+    for (int64_t c = 0; c < D; c += 16)
+        for (int64_t l = 0; l < 8; l++) {
             out[c + l] = bf16_round(q[c + 2 * l + 1]);
-            out[c + 16 + l] = bf16_round(q[c + 2 * l]);
+            out[c + 8 + l] = bf16_round(q[c + 2 * l]);
         }
 }
 
@@ -264,62 +255,34 @@ static inline const void *pair_rows(const void *k, int64_t kss, int64_t s0, int6
     for (int64_t r = 0; r < n; r++) {
         const uint16_t *src = (const uint16_t *)k + (s0 + r) * kss;
         float *o = buf + r * D;
-        for (int64_t c = 0; c < D; c += 32) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(src + c));
-            const __m256i hi = _mm256_loadu_si256((const __m256i *)(src + c + 16));
-            _mm256_storeu_ps(o + c, _mm256_castsi256_ps(_mm256_and_si256(lo, odd)));
-            _mm256_storeu_ps(o + c + 8, _mm256_castsi256_ps(_mm256_and_si256(hi, odd)));
-            _mm256_storeu_ps(o + c + 16, _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)));
-            _mm256_storeu_ps(o + c + 24, _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)));
+        for (int64_t c = 0; c < D; c += 16) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(src + c));
+            _mm256_storeu_ps(o + c, _mm256_castsi256_ps(_mm256_and_si256(x, odd)));
+            _mm256_storeu_ps(o + c + 8, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
         }
     }
     *stride = D;
     return buf;
 }
 
-/* one key's 16 lanes as two halves (lanes 0-7 in a, 8-15 in b), added as fold16 adds them */
-static inline __m256 split_key(const float *q, const float *k, int64_t D) {
-    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 32) {
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), b);
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 16), _mm256_loadu_ps(k + c + 16), a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 24), _mm256_loadu_ps(k + c + 24), b);
-    }
-    return _mm256_add_ps(a, b);
-}
-
 static inline float pair_score1(const float *qp, const void *k, int64_t D, float scale) {
     float row[512]; /* group() takes pair scores for D <= 512 only */
     int64_t st;
-    return hsum(split_key(qp, (const float *)pair_rows(k, 0, 0, 1, D, row, &st), D)) * scale;
+    const float *kr = (const float *)pair_rows(k, 0, 0, 1, D, row, &st);
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d), _mm256_loadu_ps(kr + d), a);
+    return hsum(a) * scale;
 }
 
-/* NQ queries over one full block of 8 split rows, four keys at a time per query (8 accumulators in 16 registers) */
+/* NQ queries over one full block of 8 split rows: scores8's loop for one query, scores8x2's for two (each key
+ * vector loaded once for both) */
 static inline __attribute__((always_inline)) void pair_block(const int NQ, const float *qp0, const float *qp1,
                                                              const float *k, int64_t kss, int64_t D, float scale,
                                                              float *scores0, float *scores1) {
-    for (int qi = 0; qi < NQ; qi++) {
-        const float *q = qi ? qp1 : qp0;
-        __m256 t[8];
-        for (int j0 = 0; j0 < 8; j0 += 4) {
-            __m256 a[4], b[4];
-            for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < D; c += 32) {
-                const __m256 x0 = _mm256_loadu_ps(q + c), x1 = _mm256_loadu_ps(q + c + 8);
-                const __m256 x2 = _mm256_loadu_ps(q + c + 16), x3 = _mm256_loadu_ps(q + c + 24);
-                for (int j = 0; j < 4; j++) {
-                    const float *kr = k + (j0 + j) * kss + c;
-                    a[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kr), a[j]);
-                    b[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(kr + 8), b[j]);
-                    a[j] = _mm256_fmadd_ps(x2, _mm256_loadu_ps(kr + 16), a[j]);
-                    b[j] = _mm256_fmadd_ps(x3, _mm256_loadu_ps(kr + 24), b[j]);
-                }
-            }
-            for (int j = 0; j < 4; j++) t[j0 + j] = _mm256_add_ps(a[j], b[j]);
-        }
-        _mm256_storeu_ps(qi ? scores1 : scores0, _mm256_mul_ps(hsum8(t), _mm256_set1_ps(scale)));
-    }
+    if (NQ == 1)
+        scores8(qp0, k, kss, D, 8, scale, scores0);
+    else
+        scores8x2(qp0, qp1, k, kss, D, scale, scores0, scores1);
 }
 #endif
 
@@ -365,7 +328,7 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
                   const int64_t *m, int64_t nq, const void *k, const void *v, int64_t kss, int64_t D, int64_t S,
                   float scale, float *p, int64_t sp, int kv16, float *buf, float *qp) {
     const int64_t esz = kv16 ? 2 : 4;
-    const int pairs = kv16 && D % 32 == 0 && D <= 512; /* the pair scores (see prep_pair_q) */
+    const int pairs = kv16 && D % 16 == 0 && D <= 512; /* the pair scores (see prep_pair_q) */
     int64_t nmax = 0, st;
     for (int64_t i = 0; i < nq; i++) nmax = n[i] > nmax ? n[i] : nmax;
     if (pairs)

@@ -12,7 +12,7 @@
  * Numerics follow the torch path: with act_bf16 every value the torch path holds in bf16 is rounded to bf16 (to
  * nearest even) at the same point (after each matmul, norm, RoPE product and sum, SiLU, product and residual
  * add), attention is fp32 (over an fp32 cache, or a bf16 one holding the same bf16 values: vs_seq.kv_bf16, whose
- * scores attention.c sums in vdpbf16ps's order where the head dim is a multiple of 32), and matmuls accumulate in
+ * scores attention.c sums in vdpbf16ps's order where the head dim is a multiple of 16), and matmuls accumulate in
  * fp32. Only summation orders inside a norm or a score and the exp of SiLU differ from torch's, so the two paths
  * agree to rounding. Every row is computed alone in one
  * fixed order, whatever else is in the call: a verify step gives each token exactly what one-token steps give.
