@@ -278,13 +278,13 @@ def _fp32_cache(model, max_len: int) -> KVCache:
 
 
 @needs_native
-@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("head_dim", [8, 24, 64])
 def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_threads, head_dim):
     """A bf16 model's keys and values are bf16 values: its cache holds them in bf16 (half the bytes a step streams)
     and the native forward reads them as the fp32 values they are: a prefill, a verify step of 9, and a packed step
-    of ragged sequences in one call. At head_dim 8 every logit and cache entry equals the fp32 cache's bit for bit;
-    where the head dim is a multiple of 16 (the zoo's 64) the bf16 cache's scores are attention.c's pair scores (the
-    same exact products, summed in vdpbf16ps's order), so the two agree to rounding."""
+    of ragged sequences in one call. At head_dim 8 and 24 every logit and cache entry equals the fp32 cache's bit for
+    bit; where the head dim is a multiple of 16 (the zoo's 64) the bf16 cache's scores are attention.c's pair scores
+    (the same exact products, summed in vdpbf16ps's order), so the two agree to rounding."""
     from verispec.cache import PackedBatch
 
     model = tiny_model(3, head_dim=head_dim).to(BF16).pack_weights()
@@ -311,6 +311,34 @@ def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_thre
         assert got.k.dtype == BF16 and got.length == want.length
         assert same(got.k[..., : got.length, :].float(), want.k[..., : want.length, :])
         assert same(got.v[..., : got.length, :].float(), want.v[..., : want.length, :])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_a_prefill_split_over_threads_gives_each_row_a_one_token_steps_logits(dtype):
+    """A prefill of more than 32 rows splits decoder.c's elementwise passes (rounding, residual adds, matmul inputs,
+    the gates read in place for the down projection) into blocks over the threads: each row's logits still equal a
+    one-token step's at its position, and a one-thread prefill's, bit for bit (dims large enough for several
+    blocks a pass)."""
+    model = tiny_model(2, hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=64)
+    model = model.to(dtype).pack_weights()
+    tokens = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        with torch.inference_mode():
+            for threads in (2, 1):
+                torch.set_num_threads(threads)
+                cache = KVCache.for_model(model, max_len=48)
+                out[threads] = model(tokens, cache=cache)[0]
+            torch.set_num_threads(2)
+            cache = KVCache.for_model(model, max_len=48)
+            model(tokens[:, :1], cache=cache)
+            steps = torch.cat([model(tokens[:, i : i + 1], cache=cache)[0] for i in range(1, 40)], 1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out[2], out[1])
+    assert torch.equal(out[2][:, 1:], steps)
 
 
 @needs_native

@@ -1,4 +1,5 @@
-/* Attention of a few new queries over a KV cache, fp32, AVX2 + FMA, for decode and verify steps on CPU.
+/* Attention of new queries over a KV cache on CPU (decode and verify steps, prefills): fp32 sums, AVX2 + FMA, and
+ * AVX-512 BF16's vdpbf16ps for the scores over a bf16 cache (the pair scores below).
  *
  * out[b, t, h] = softmax_s(scale * q[b, t, h] . k[b, h / G, s]) @ v[b, h / G, s], over keys s < limit(t):
  * limit(t) = causal_from + t + 1 (capped at S), or every key when causal_from < 0. G = H / Hkv query heads share a
@@ -21,8 +22,8 @@
  * bf16 keys and values (a bf16 model's are bf16 values: exact, half the bytes a step streams). Its scores are then
  * the pair scores where D is a multiple of 16 (see prep_pair_q: the same exact products, summed in vdpbf16ps's
  * order, straight off the bf16 rows on AVX-512 BF16), else the fp32 scores of its values; p @ V reads its values as
- * the fp32 values they are. So a bf16 cache gives an fp32 cache's result bit for bit only where D % 16 != 0, and
- * to rounding elsewhere; every other property above holds for both. */
+ * the fp32 values they are. So a bf16 cache gives an fp32 cache's result bit for bit only where D % 16 != 0 or
+ * D > 512, and to rounding elsewhere; every other property above holds for both. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -337,7 +338,7 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
         prefetch_rows((const char *)k + (s0 + PF_KEYS) * kss * esz, 8, kss * esz);
         const int64_t cnt = S - s0 < 8 ? S - s0 : 8; /* a block may run past n[i]: those scores are never read */
         if (pairs) {
-            const void *kb = pair_rows(k, kss, s0, cnt, D, buf, &st);
+            const void *kb = cnt == 8 ? pair_rows(k, kss, s0, cnt, D, buf, &st) : NULL; /* a partial one: key by key */
             for (int64_t i = 0; i < nq; i++) {
                 if (n[i] <= s0) continue;
                 float *pi = p + i * sp + s0;

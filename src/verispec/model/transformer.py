@@ -119,9 +119,9 @@ class Transformer(nn.Module):
     def kv_dtype(self) -> torch.dtype:
         """What its KV caches hold (KVCache.for_model). On CPU attention runs in fp32 (bf16 attention there is several
         times slower: one query over 400 keys 340 vs 45 us); a bf16 model's keys and values are bf16 values, so where
-        decoder.c runs its forward (it reads bf16 as the fp32 values they are, its scores straight off the bf16 rows)
-        the cache holds them in bf16, exact and half the bytes a step streams; elsewhere fp32, which the torch path
-        would otherwise convert every layer."""
+        decoder.c runs its forward (it reads bf16 as the fp32 values they are; AVX-512 BF16 sums its scores straight
+        off the bf16 rows) the cache holds them in bf16, exact and half the bytes a step streams; elsewhere fp32,
+        which the torch path would otherwise convert every layer."""
         dtype = self.model.embed_tokens.weight.dtype
         if dtype != torch.bfloat16 or self.device.type != "cpu":
             return dtype
