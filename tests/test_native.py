@@ -316,10 +316,9 @@ def test_a_bf16_models_cache_is_bf16_and_gives_what_an_fp32_cache_gives(two_thre
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_a_prefill_split_over_threads_gives_each_row_a_one_token_steps_logits(dtype):
-    """A prefill of more than 32 rows splits decoder.c's elementwise passes (rounding, residual adds, matmul inputs,
-    the gates read in place for the down projection) into blocks over the threads: each row's logits still equal a
-    one-token step's at its position, and a one-thread prefill's, bit for bit (dims large enough for several
-    blocks a pass)."""
+    """A prefill of more than 32 rows at dims past the tiny models' (several blocks of columns a matmul, norms and
+    SiLU split over the threads, the zoo's head_dim): each row's logits equal a one-token step's at its position,
+    and a one-thread prefill's, bit for bit."""
     model = tiny_model(2, hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=64)
     model = model.to(dtype).pack_weights()
     tokens = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
