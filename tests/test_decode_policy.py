@@ -217,6 +217,25 @@ def test_a_disturbed_profile_is_used_but_not_cached(monkeypatch, tmp_path):
         assert profile.cache_path(profile.profile_key(target)).is_file() is not jagged
 
 
+def test_a_profile_measured_with_other_kernels_is_measured_again(monkeypatch, tmp_path):
+    """Step costs depend on the kernels that ran them: a profile cached before a kernel source changed is not
+    reused (the key carries native.source_digest()); with the same sources it is."""
+    import verispec.profile as profile
+    from verispec.kernels import native
+
+    monkeypatch.setattr(profile, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(profile, "_time_step", lambda target, caches, lengths, context: 1e-3 + 1e-4 * sum(lengths))
+    target = tiny_model(max_position_embeddings=512)
+    first = profile.load_or_measure(target)
+    assert profile.load_or_measure(target).key == first.key  # cached, read back
+    if not native.available():  # torch's forward: no kernel sources to record
+        assert first.key["kernel_sources"] is None
+        return
+    monkeypatch.setitem(native._state, "sources", "0123456789abcdef")  # as if a kernel source had changed
+    key = profile.profile_key(target)
+    assert key != first.key and not profile.cache_path(key).is_file()
+
+
 def test_measured_profile_fits_the_context_axis(monkeypatch):
     """measure() fits kv_read_s and kv_row_s from its long-context probe: on a synthetic step cost with known
     coefficients it recovers them (timing noise left out)."""

@@ -90,6 +90,7 @@ def profile_key(target: Transformer) -> dict:
         "packed": target.packed,
         "matmuls": target.matmuls,
         "kernels": native.isa(),  # the instruction set of the native kernels (None: torch's)
+        "kernel_sources": native.source_digest() if native.available() else None,  # a kernel change re-measures
         "forward": "native" if target.fused is not None else "torch",
         "method": 4,  # how measure() times which points (older profiles are measured again)
     }

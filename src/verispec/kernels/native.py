@@ -186,6 +186,15 @@ def isa() -> str | None:
     return None if lib is None else ISAS[lib.vs_isa() - 1]
 
 
+def source_digest() -> str:
+    """A digest of every kernel source and header (qgemm.c's included): what a measured step cost was measured with,
+    so that a cost cached under other kernels is measured again (profile.profile_key)."""
+    if "sources" not in _state:
+        files = (*SOURCES, *QSOURCES, *HEADERS)
+        _state["sources"] = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
+    return _state["sources"]  # type: ignore[return-value]
+
+
 @contextmanager
 def use(name: str) -> Iterator[None]:
     """Run the kernels of one instruction set inside the block (process-wide: tests compare paths with it)."""
