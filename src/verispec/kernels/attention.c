@@ -266,13 +266,11 @@ static inline const void *pair_rows(const void *k, int64_t kss, int64_t s0, int6
     return buf;
 }
 
+/* one key: its row split, then score1's loop (scores8's lane order) */
 static inline float pair_score1(const float *qp, const void *k, int64_t D, float scale) {
     float row[512]; /* group() takes pair scores for D <= 512 only */
     int64_t st;
-    const float *kr = (const float *)pair_rows(k, 0, 0, 1, D, row, &st);
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qp + d), _mm256_loadu_ps(kr + d), a);
-    return hsum(a) * scale;
+    return score1(qp, (const float *)pair_rows(k, 0, 0, 1, D, row, &st), D, scale);
 }
 
 /* NQ queries over one full block of 8 split rows: scores8's loop for one query, scores8x2's for two (each key

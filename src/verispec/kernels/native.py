@@ -93,10 +93,14 @@ def _build(out: Path, sources: tuple[Path, ...], flags: tuple[str, ...]) -> None
             os.unlink(tmp)
 
 
+def _digest(files: tuple[Path, ...], extra: bytes = b"") -> str:
+    """16 hex digits of the files' contents (and `extra`)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files) + extra).hexdigest()[:16]
+
+
 def build_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
     """C sources built into one shared library in the user cache (once per source hash and flags), loaded."""
-    files = (*sources, *HEADERS)
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(flags).encode()).hexdigest()[:16]
+    digest = _digest((*sources, *HEADERS), " ".join(flags).encode())
     path = user_cache("kernels") / f"verispec-{name}-{digest}.so"
     if not path.exists():
         _build(path, sources, flags)
@@ -190,8 +194,7 @@ def source_digest() -> str:
     """A digest of every kernel source and header (qgemm.c's included): what a measured step cost was measured with,
     so that a cost cached under other kernels is measured again (profile.profile_key)."""
     if "sources" not in _state:
-        files = (*SOURCES, *QSOURCES, *HEADERS)
-        _state["sources"] = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
+        _state["sources"] = _digest((*SOURCES, *QSOURCES, *HEADERS))
     return _state["sources"]  # type: ignore[return-value]
 
 
