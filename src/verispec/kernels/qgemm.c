@@ -68,6 +68,13 @@
 #define A8_PREFETCH (2 * PREFETCH)
 #endif
 #endif
+/* From A8_L1_ROWS rows a W4A8 tile prefetches its weights into L1 rather than L2: such tiles are bound by their
+ * vpdpbusd, not by memory, and waited on L2 (the w4a8-head forward 0.90-0.93x the time at 3 / 5 / 9 rows after 128
+ * positions, Zen 4, scripts/kernel_ab.py, three runs; 1 row unchanged, 2 rows 1.09x; 4 KB ahead no gain, 32 KB as
+ * 16). W4A16's tiles gained nothing from it. */
+#ifndef A8_L1_ROWS
+#define A8_L1_ROWS 3
+#endif
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
@@ -508,7 +515,10 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
 #endif
         A8_UNROLL for (int64_t o = 0; o < G8; o++) {
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)
-                _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH, PF_HINT);
+                if (R >= A8_L1_ROWS) /* R is each tile's constant: one hint compiled per tile */
+                    _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH, _MM_HINT_T0);
+                else
+                    _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH, PF_HINT);
             const int32_t *xp = xg + o * R * 2;
             if (VW == 16) {
                 /* both nibbles' weights for every vector, then row by row both broadcasts: 2 * NV weights, R * NV
