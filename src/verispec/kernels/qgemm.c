@@ -68,10 +68,8 @@
 #define A8_PREFETCH (2 * PREFETCH)
 #endif
 #endif
-/* From A8_L1_ROWS rows a W4A8 tile prefetches its weights into L1 rather than L2: such tiles are bound by their
- * vpdpbusd, not by memory, and waited on L2 (the w4a8-head forward 0.90-0.93x the time at 3 / 5 / 9 rows after 128
- * positions, Zen 4, scripts/kernel_ab.py, three runs; 1 row unchanged, 2 rows 1.09x; 4 KB ahead no gain, 32 KB as
- * 16). W4A16's tiles gained nothing from it. */
+/* From A8_L1_ROWS rows a W4A8 tile is bound by its integer products and waited on L2: it prefetches into L1 (Zen 4,
+ * w4a8-head, 3-9 rows: 0.89-0.96x the time on AVX-512 BF16, 0.91-0.96x on AVX2; at 2 rows L1 cost 1.09x). */
 #ifndef A8_L1_ROWS
 #define A8_L1_ROWS 3
 #endif
