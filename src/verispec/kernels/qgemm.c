@@ -512,11 +512,13 @@ static inline __attribute__((always_inline)) void tile_a8(const int R, const int
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) p16[m][v] = vzeroi();
 #endif
         A8_UNROLL for (int64_t o = 0; o < G8; o++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB)
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v += VPB) {
+                const char *ahead = wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH;
                 if (R >= A8_L1_ROWS) /* R is each tile's constant: one hint compiled per tile */
-                    _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH, _MM_HINT_T0);
+                    _mm_prefetch(ahead, _MM_HINT_T0);
                 else
-                    _mm_prefetch(wg + (v / VPB) * bstride + o * 4 * BLOCK + A8_PREFETCH, PF_HINT);
+                    _mm_prefetch(ahead, PF_HINT);
+            }
             const int32_t *xp = xg + o * R * 2;
             if (VW == 16) {
                 /* both nibbles' weights for every vector, then row by row both broadcasts: 2 * NV weights, R * NV
