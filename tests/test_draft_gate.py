@@ -37,12 +37,13 @@ def test_gate_measures_both_then_follows_the_faster_and_probes_the_other():
 
 
 def test_a_much_slower_choice_is_probed_rarely():
-    """Probing costs at most probe_cost of the time: a choice 3x slower is retried every 40 steps, not every 16."""
+    """Probing costs at most probe_cost of the time: a choice 3x slower is retried every 80 steps, not every 16 (a
+    probe of drafting from plain is two drafted steps: the first drafts cold and is not counted)."""
     g = warmed(32, probe_every=16, probe_cost=0.05, trust=1)
     g.record(32, True, tokens=32, seconds=0.030)  # drafting: 1,067 tokens/s
     g.record(32, False, tokens=32, seconds=0.010)  # plain: 3,200 tokens/s, 3x faster
-    picks = [g.draft(40) for _ in range(80)]
-    assert [i + 1 for i, p in enumerate(picks) if p] == [40, 80]
+    picks = [g.draft(40) for _ in range(160)]
+    assert [i + 1 for i, p in enumerate(picks) if p] == [80, 160]
 
 
 def test_steps_that_prefill_take_the_better_known_choice_and_are_not_probes():
@@ -106,14 +107,14 @@ def test_probe_spacing_weighs_a_probes_time_beyond_the_better_choice():
     """A drafted step that commits many more tokens than a plain one is not charged as the ratio of the rates: a
     probe costs the time it takes beyond what plain steps take for the same tokens (at 64 requests, Zen 5: 173 ms
     for ~190 tokens against plain's 55 in 23 ms; spacing by the rates' ratio probed every 24 steps, which let 7% of
-    the steps take 19% of the time)."""
+    the steps take 19% of the time). A probe of drafting from plain is two such steps (the first drafts cold)."""
     g = warmed(64, probe_every=16, probe_cost=0.05, trust=1)
     g.record(64, True, tokens=190, seconds=0.173)
     g.record(64, False, tokens=55, seconds=0.023)
-    loss = 0.173 - 190 * 0.023 / 55  # 93.5 ms beyond plain for the same tokens
-    assert g.spacing(g.bucket(64)) == math.ceil(loss / (0.05 * 0.023)) == 82
-    picks = [g.draft(64) for _ in range(164)]
-    assert [i + 1 for i, p in enumerate(picks) if p] == [82, 164]
+    loss = 2 * (0.173 - 190 * 0.023 / 55)  # twice 93.5 ms beyond plain for the same tokens
+    assert g.spacing(g.bucket(64)) == math.ceil(loss / (0.05 * 0.023)) == 163
+    picks = [g.draft(64) for _ in range(326)]
+    assert [i + 1 for i, p in enumerate(picks) if p] == [163, 326]
 
 
 def test_a_heavier_load_never_drafts_while_a_lighter_one_finds_drafting_slower():
@@ -336,7 +337,7 @@ def test_the_gate_times_the_whole_step_cache_growth_included(monkeypatch):
 
     record = engine.gate.record
     monkeypatch.setattr(engine, "_grow", slow_grow)
-    monkeypatch.setattr(engine.gate, "record", lambda r, d, t, s: (recorded.append(s), record(r, d, t, s)))
+    monkeypatch.setattr(engine.gate, "record", lambda r, d, t, s, counted=True: (recorded.append(s), record(r, d, t, s, counted)))
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=24, ignore_eos=True), RequestSpec())
     engine.run_until_done()
     assert len(recorded) >= 5 and len(grows) == engine.metrics.num_steps
@@ -349,16 +350,16 @@ def test_probes_that_confirm_the_choice_back_off_and_a_flip_resets_them():
     g = warmed(32, probe_every=16, probe_cost=0.05, trust=1, max_backoff=4)
     g.record(32, True, tokens=32, seconds=0.030)  # drafting: 1,067 tokens/s
     g.record(32, False, tokens=32, seconds=0.010)  # plain: 3,200 tokens/s
-    assert g.spacing(g.bucket(32)) == 40
+    assert g.spacing(g.bucket(32)) == 80
     probes = []
-    for i in range(1, 801):
+    for i in range(1, 1601):
         if g.draft(40):
             probes.append(i)
             g.record(40, True, tokens=32, seconds=0.030)  # each probe confirms: drafting still slower
         else:
             g.record(40, False, tokens=32, seconds=0.010)
-    # spacings 40, 80, 160, then capped at 160: probes at multiples of the spacing in force
-    assert probes[:4] == [40, 80, 160, 320] and all(b - a == 160 for a, b in zip(probes[2:], probes[3:]))
+    # spacings 80, 160, 320, then capped at 320: probes at multiples of the spacing in force
+    assert probes[:4] == [80, 160, 320, 640] and all(b - a == 320 for a, b in zip(probes[2:], probes[3:]))
     assert g.backoff[g.bucket(32)] == 4
     for _ in range(50):  # the text turns easy: drafting pays again; the probe that flips the choice resets it
         g.record(40, True, tokens=200, seconds=0.030)
@@ -378,7 +379,7 @@ def test_without_backoff_the_spacing_stays_put():
             g.record(40, True, tokens=32, seconds=0.030)
         else:
             g.record(40, False, tokens=32, seconds=0.010)
-    assert probes == [40, 80, 120, 160, 200]
+    assert probes == [80, 160]
 
 
 def test_steps_kept_plain_by_a_lighter_load_are_not_probes():
@@ -424,3 +425,54 @@ def test_a_gate_that_trusts_one_sample_records_a_first_step_of_each_choice():
     g.record(4, True, tokens=12, seconds=0.010)  # the other choice has no average yet: no verdict to compare
     g.record(4, False, tokens=4, seconds=0.010)
     assert set(g.rates) == {(3, True), (3, False)}
+
+
+def test_a_step_that_drafts_cold_is_not_counted_and_its_choice_is_taken_again():
+    """A drafted step where some drafter builds its context anew (a request's first drafted round, or its first after
+    plain steps) is not measured: the averages stay as they were and the next clean step at that load drafts again,
+    still the probe it was (its confirmation backs the spacing off). At most max_redo such steps in a row."""
+    g = warmed(4, probe_every=4, probe_cost=10.0, trust=1, max_redo=2)  # probes every 4th decision
+    g.record(4, True, tokens=8, seconds=0.010)  # drafting: 800 tokens/s
+    g.record(4, False, tokens=4, seconds=0.002)  # plain: 2,000 tokens/s
+    b = g.bucket(4)
+    before = dict(g.sums)
+    picks = [g.draft(5) for _ in range(3)]
+    assert picks == [False] * 3
+    assert g.draft(5) is True  # the fourth decision probes drafting
+    g.record(5, True, tokens=1, seconds=0.050, counted=False)  # it drafted cold: not measured
+    assert g.sums == before and g.samples[(b, True)] == 1
+    assert g.draft(4, clean=False) is False  # a prefilling step between: the better choice
+    assert g.draft(5) is True  # the next clean step drafts again, a probe still
+    g.record(5, True, tokens=8, seconds=0.010)  # warm: drafting still slower, so the probe backs the spacing off
+    assert g.backoff[b] == 2 and g.samples[(b, True)] == 2  # counted this time
+    for _ in range(2):  # decisions 6 and 7 (the redone step counted as the fifth)
+        assert g.draft(6) is False
+        g.record(6, False, tokens=6, seconds=0.003)
+    assert g.draft(6) is True  # the next probe: decision 8, at twice the spacing
+    for _ in range(3):  # a new request drafting cold in every step: the choice is retried twice, then given up
+        g.record(6, True, tokens=1, seconds=0.050, counted=False)
+        if not g.draft(6):
+            break
+    assert g.unmeasured[b] == 3 and b not in g.redo
+    assert g.draft(6) is False
+
+
+def test_the_engine_counts_no_step_where_a_drafter_proposed_cold():
+    """A request's first drafted round after a plain step is handed to the gate as not counted (its drafter's
+    context is behind); rounds after a drafted one are counted; a step whose request has no draft budget left (its
+    last token) is a plain step to the gate, whatever it decided."""
+    target = tiny_model(4)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="d"),
+                    drafters={"d": ModelDrafter(tiny_model(5))})  # an unrelated model: rounds of about one token
+    script = iter([True, True, True, False])  # then True; the first decision is the prefilling step's
+    engine.gate.draft = lambda n, clean=True: next(script, True)
+    calls = []
+    engine.gate.record = lambda r, d, t, s, counted=True: calls.append((d, counted))
+    engine.add_request(list(range(3, 23)), params, RequestSpec())
+    out = engine.run_until_done()
+    assert len(next(iter(out.values())).token_ids) == 16
+    # the prefilling step drafted (a draft model reads no prompt rows) and is not recorded: warm, warm, plain,
+    # cold (after the plain step), warm ..., and the last token's step plain
+    assert calls[:5] == [(True, True), (True, True), (False, True), (True, False), (True, True)]
+    assert set(calls[5:-1]) == {(True, True)} and calls[-1] == (False, True)

@@ -341,6 +341,7 @@ class Engine:
         req.cache = None
         req.prompt_hidden.clear()
         req.resume_rows = None
+        req.drafted_last = False  # its drafter starts over on readmission
         req.preemptions += 1
         self.metrics.preemptions += 1
 
@@ -428,6 +429,13 @@ class Engine:
         self.metrics.undrafted_steps += not drafting
         emitted_before = self.metrics.num_output_tokens
         rounds = self._draft(decoding, dspark=drafting)
+        # For the draft gate (gate.py): a step drafted only where a dspark request proposed tokens (a round at its
+        # request's last token has no budget: a plain step), measured only where no drafter proposed cold.
+        proposed = [r for r in rounds if r.draft.tokens]
+        warm = all(r.req.drafted_last for r in proposed)
+        gate_drafted = drafting and any(r.req.policy == "dspark" for r in proposed)
+        for rnd in rounds:
+            rnd.req.drafted_last = bool(rnd.draft.tokens)
         if not drafting:  # the gate kept them plain: a drafter whose context may have gaps gets no rows
             for rnd in rounds:
                 rnd.gap = rnd.req.policy == "dspark" and rnd.req.drafter is not None and self.drafter(
@@ -481,8 +489,8 @@ class Engine:
         for rnd, verdict, rows in zip(rounds, verdicts, self._kept_rows(rounds, verdicts, hidden, logit_rows)):
             self._commit(rnd, verdict, rows, outputs)
         if gated and clean:  # a step that also prefilled pays mostly for the prompt
-            self.gate.record(len(decoding), drafting, self.metrics.num_output_tokens - emitted_before,
-                             time.perf_counter() - self._step_t0)
+            self.gate.record(len(decoding), gate_drafted, self.metrics.num_output_tokens - emitted_before,
+                             time.perf_counter() - self._step_t0, counted=warm)
 
     def _draft(self, decoding: list[Request], dspark: bool = True) -> list[_Round]:
         """Each decoding request's draft (EMPTY_DRAFT when it drafts nothing); `dspark=False`: the gate found that

@@ -22,6 +22,15 @@ steps in serve-compare run 11). A load is not measured from scratch where the ne
 slower either: it starts plain, and its first drafted step waits for that load's probe spacing. (A closed loop's
 tail drains through every lighter load; measuring each by drafting first cost two drafted steps apiece, 67 ms
 against a plain step's 8 at 15 requests.)
+
+A drafted step in which some request drafts cold (its first round since it started, or since plain steps left its
+drafter's context behind) is not measured either: that round builds the drafter's context (up to a window of
+prompt rows) and cost 7.9 ms for 3.0 tokens at one request, against 5.1 ms for 3.6 in a round after a drafted one
+(open loop at 6 req/s, Zen 4). Counted, such rounds were all the gate saw of drafting at one request in an open
+loop, where one request alone has always just arrived: it read drafting at 236 tokens/s against plain's 383 where
+drafting warm ran 700, and kept every heavier load plain too. The choice of a step that is not measured is taken
+again at that load's next clean step (`redo`), so a probe of drafting from plain is two drafted steps, and the
+spacing counts it so.
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ class DraftGate:
     # of the steps and 8% of the time: a settled verdict needs few re-checks, while a changed one is still found
     # within `max_backoff` spacings.
     max_backoff: int = 8
+    # Steps in a row at one load whose choice is taken again because they could not be measured (record's
+    # `counted`): a new request joining in each of them must not keep a choice forever.
+    max_redo: int = 2
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     warm: set[tuple[int, bool]] = field(default_factory=set)  # choices whose warm-up step was seen, per bucket
@@ -66,6 +78,8 @@ class DraftGate:
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # steps counted per (load bucket, choice)
     backoff: dict[int, int] = field(default_factory=dict)  # per load bucket: the spacing's factor (max_backoff)
     probing: dict[int, bool] = field(default_factory=dict)  # per load bucket: its latest decision was a probe
+    redo: dict[int, bool] = field(default_factory=dict)  # per load bucket: the choice to take again (record)
+    unmeasured: dict[int, int] = field(default_factory=dict)  # per load bucket: steps in a row not counted
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -80,7 +94,11 @@ class DraftGate:
             return drafted is not None and plain is not None and self._pays(b)
         n = self.steps[b] = self.steps.get(b, 0) + 1
         if self._slower_below(b):  # where drafting lost with fewer requests it loses here too: not even probed
+            self.redo.pop(b, None)
+            self.probing.pop(b, None)
             return False
+        if b in self.redo:  # the last clean step here could not be measured: its choice once more
+            return self.redo.pop(b)
         if drafted is None or plain is None:
             near = self._nearest(b)
             if near is None or self._pays(near):
@@ -115,6 +133,8 @@ class DraftGate:
         else:
             (t_best, s_best), (t_other, s_other) = (t_p, s_p), (t_d, s_d)
         loss = s_other - t_other * s_best / max(t_best, 1e-9)  # seconds a probe costs over the better choice
+        if not self._pays(bucket):
+            loss *= 2  # a probe of drafting from plain drafts cold first, a step not counted (see record)
         return max(self.probe_every, math.ceil(loss / (self.probe_cost * s_best)))
 
     def _slower_below(self, bucket: int) -> bool:
@@ -130,10 +150,20 @@ class DraftGate:
         measured = {b for b, drafted in self.sums if (b, not drafted) in self.sums and b != bucket}
         return min(measured, key=lambda b: (abs(b - bucket), -b), default=None)
 
-    def record(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def record(self, requests: int, drafted: bool, tokens: int, seconds: float, counted: bool = True) -> None:
         """A step's committed tokens and wall time (drafting included). Steps that also prefilled are not
-        recorded: their time is mostly the prompt's."""
-        probe = self.probing.pop(self.bucket(requests), False)  # taken even by a step that is not counted
+        recorded: their time is mostly the prompt's. `counted=False`: a drafted step with a request drafting cold
+        (see the module's docstring); its choice is taken again at this load's next clean step, a probe still."""
+        b = self.bucket(requests)
+        probe = self.probing.pop(b, False)  # taken even by a step that is not counted
+        if not counted:
+            misses = self.unmeasured[b] = self.unmeasured.get(b, 0) + 1
+            if misses <= self.max_redo:
+                self.redo[b] = drafted
+                if probe:
+                    self.probing[b] = True
+            return
+        self.unmeasured.pop(b, None)
         if seconds <= 0:
             return
         key = (self.bucket(requests), drafted)
@@ -150,7 +180,6 @@ class DraftGate:
         # that is not taken is only seen at probes, and with per-sample decay a bad first sample kept 35% of its
         # weight after ten probes (160+ steps). Through the server, 8 clients drafted 138 of 178 steps at 0.81x
         # plain in one run, a stale estimate the likely cause. A probe weighs at most half (one step is noisy).
-        b = key[0]
         # The verdict before this step, where both choices are trusted: a probe that confirms it backs off, and any
         # step that flips it (a probe, or the chosen choice's own steps) resets the spacing. Only steps draft()
         # returned as probes count: one kept plain because a lighter load found drafting slower is no probe.
