@@ -9,6 +9,7 @@ from conftest import tiny_model
 from verispec.config import EngineConfig, RequestSpec, SamplingParams
 from verispec.decode import decode
 from verispec.drafters import ModelDrafter
+from verispec.drafters.base import EMPTY_DRAFT
 from verispec.engine.engine import Engine
 from verispec.engine.gate import DraftGate
 
@@ -337,7 +338,8 @@ def test_the_gate_times_the_whole_step_cache_growth_included(monkeypatch):
 
     record = engine.gate.record
     monkeypatch.setattr(engine, "_grow", slow_grow)
-    monkeypatch.setattr(engine.gate, "record", lambda r, d, t, s, counted=True: (recorded.append(s), record(r, d, t, s, counted)))
+    monkeypatch.setattr(engine.gate, "record",
+                        lambda r, d, t, s, counted=True: (recorded.append(s), record(r, d, t, s, counted)))
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=24, ignore_eos=True), RequestSpec())
     engine.run_until_done()
     assert len(recorded) >= 5 and len(grows) == engine.metrics.num_steps
@@ -476,3 +478,27 @@ def test_the_engine_counts_no_step_where_a_drafter_proposed_cold():
     # cold (after the plain step), warm ..., and the last token's step plain
     assert calls[:5] == [(True, True), (True, True), (False, True), (True, False), (True, True)]
     assert set(calls[5:-1]) == {(True, True)} and calls[-1] == (False, True)
+
+
+def test_a_round_that_proposed_nothing_leaves_the_next_one_warm():
+    """Cold means asked to propose after a step that did not ask (the drafter has tokens to catch up), not after a
+    round that proposed nothing: prompt lookup finds no match on many steps and has nothing to catch up, and counted
+    as cold every step after such a round went unmeasured (the gate then stopped learning at that load)."""
+
+    class Sometimes(ModelDrafter):  # proposes nothing on every other call, as a lookup without a match does
+        calls = 0
+
+        def propose(self, requests):
+            self.calls += 1
+            return super().propose(requests) if self.calls % 2 else [EMPTY_DRAFT] * len(requests)
+
+    engine = Engine(tiny_model(4), None, EngineConfig(policy="dspark", k=4, drafter="d"),
+                    drafters={"d": Sometimes(tiny_model(5))})
+    engine.gate.draft = lambda n, clean=True: True
+    calls = []
+    engine.gate.record = lambda r, d, t, s, counted=True: calls.append((d, counted))
+    engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=16, ignore_eos=True), RequestSpec())
+    out = engine.run_until_done()
+    assert len(next(iter(out.values())).token_ids) == 16
+    assert {d for d, _ in calls} == {True, False}  # rounds with and without draft tokens
+    assert all(counted for _, counted in calls), calls

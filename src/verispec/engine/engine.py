@@ -90,6 +90,7 @@ class _Round:
     rows: int = 0  # first logit row of this request in the step's logits
     proposed: list[int] = field(default_factory=list)  # the whole draft, before the policy cut it
     gap: bool = False  # kept plain by the draft gate, its drafter takes gaps: no rows handed over (see _run_step)
+    cold: bool = False  # asked to propose where its last step was not: its drafter's context is behind (_draft)
 
 
 class Engine:
@@ -430,12 +431,9 @@ class Engine:
         emitted_before = self.metrics.num_output_tokens
         rounds = self._draft(decoding, dspark=drafting)
         # For the draft gate (gate.py): a step drafted only where a dspark request proposed tokens (a round at its
-        # request's last token has no budget: a plain step), measured only where no drafter proposed cold.
-        proposed = [r for r in rounds if r.draft.tokens]
-        warm = all(r.req.drafted_last for r in proposed)
-        gate_drafted = drafting and any(r.req.policy == "dspark" for r in proposed)
-        for rnd in rounds:
-            rnd.req.drafted_last = bool(rnd.draft.tokens)
+        # request's last token has no budget: a plain step), measured only where no dspark request drafted cold.
+        warm = not any(r.cold for r in rounds if r.req.policy == "dspark")
+        gate_drafted = drafting and any(r.req.policy == "dspark" and r.draft.tokens for r in rounds)
         if not drafting:  # the gate kept them plain: a drafter whose context may have gaps gets no rows
             for rnd in rounds:
                 rnd.gap = rnd.req.policy == "dspark" and rnd.req.drafter is not None and self.drafter(
@@ -506,9 +504,14 @@ class Engine:
             budget = self._budget(req, len(decoding)) if drafts else 0
             if len(req.pending) > 1 and self._reads_prompt(req):
                 budget = 0  # its context (the prompt's hidden states or KV rows) arrives with this very forward
-            if req.drafter is not None and budget > 0:
+            asked = req.drafter is not None and budget > 0
+            if asked:
                 by_drafter.setdefault(req.drafter, []).append(
                     DraftRequest(req.seq_id, req.tokens, budget, req.params, req.generator, req.tree))
+            # Cold: asked after a step that did not ask it (its drafter has a plain stretch or the prompt to catch
+            # up), not after one where it proposed nothing (prompt lookup without a match has nothing to catch up).
+            rounds[req.request_id].cold = asked and not req.drafted_last
+            req.drafted_last = asked
         by_seq = {req.seq_id: req for req in decoding}
         for spec, batch in by_drafter.items():
             drafter = self.drafter(spec)
@@ -516,7 +519,8 @@ class Engine:
                 check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
                 # the acceptance estimator scores whole chain proposals; a tree's nodes are no positions
                 proposed = draft.tokens if draft.is_chain else []
-                rounds[by_seq[dreq.seq_id].request_id] = _Round(by_seq[dreq.seq_id], draft, 0, proposed)
+                req = by_seq[dreq.seq_id]
+                rounds[req.request_id] = _Round(req, draft, 0, proposed, cold=rounds[req.request_id].cold)
         return list(rounds.values())
 
     def _conditional(self, rnd: _Round) -> list[float]:

@@ -12,7 +12,7 @@ then learns that drafting pays again up to that many times later. A probe's cost
 the time it takes beyond what the better choice would have taken for the same tokens, against the better choice's
 step time: a drafted step at 64 requests took 173 ms for ~190 tokens where plain steps made 2,400 tokens/s in 23
 ms (a 93 ms loss: probed every 81 steps, not every 24 as a spacing by the ratio of the rates gave, which let 7% of
-the steps take 19% of the time).
+the steps take 19% of the time; every 163 now that a probe of drafting counts as two steps, see below).
 
 Drafting pays less the more requests share a step (each verified token costs real compute once the step is
 compute-bound), so a load heavier than one where drafting measured slower does not draft at all, not even to probe:

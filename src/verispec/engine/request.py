@@ -44,8 +44,8 @@ class Request:
     cache: KVCache | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     last_verified: int = 1 << 30  # draft tokens the dspark policy verified last round (unbounded at first)
-    # its last round proposed draft tokens: its drafter's context is current, so a proposal now costs what a steady
-    # round's does (the draft gate measures only such steps)
+    # its drafter was asked to propose in its last step: that drafter's context is current, so a proposal now costs
+    # what a steady round's does (the draft gate measures only such steps)
     drafted_last: bool = False
     shadow: deque[tuple[int, list[int], str | None]] = field(default_factory=deque)  # (start, whole proposal, kind)
     tree: TreeConfig | None = None  # its draft-tree shape (RequestSpec.tree); None: the drafter's own
