@@ -1,12 +1,14 @@
-"""What the draft gate costs the dspark policy under open-loop load: plain, the dspark policy as it ships, and the
-dspark policy with the gate forced to draft on every step, each at the same Poisson schedules (issue 22).
+"""What the draft gate costs the dspark policy under open-loop load: plain, the dspark policy as it ships, the
+dspark policy with the gate forced to draft on every step, and with the gate never drafting (what carrying the
+drafter costs on its own), each at the same Poisson schedules (issue 22).
 
-    python scripts/openloop_gate.py --rates 6,12 --duration 12 --repeats 3
+    python scripts/openloop_gate.py --rates 6,12 --duration 12 --repeats 3 [--arms plain,dspark,forced,undrafted]
 
 In process on the async engine, as `verispec bench serve` runs its open loop (its prompts, 64 new tokens, greedy,
-ignore_eos), with the bench's cached step profile. Arms run one after another within a repeat. Per arm and rate it
-prints the per-user tokens/s and how many steps the gate kept plain; at the end, per rate, the gated arm's per-user
-speed over the forced arm's, per repeat and as a median.
+ignore_eos), with the bench's cached step profile. Arms run one after another within a repeat, their order rotated
+by one every repeat. Per arm and rate it prints the per-user tokens/s and how many steps the gate kept plain; at the
+end, per rate, each arm's per-user speed over plain's (and the gated arm's over the forced arm's), per repeat and as
+a median.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per rate")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arms", default="plain,dspark,forced", help="comma-separated: plain, dspark, forced, undrafted")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = bench.ServeBenchConfig(target=ROOT / "zoo/target")
@@ -48,14 +51,19 @@ def main() -> None:
     ol = cfg.open_loop()
     rates = [float(r) for r in args.rates.split(",")]
     drafter = f"dspark:{ROOT / 'zoo/dspark'}"
-    arms = {"plain": ("off", 0, None), "dspark": ("dspark", 8, drafter), "dspark, gate forced": ("dspark", 8, drafter)}
+    known = {"plain": ("off", 0, None), "dspark": ("dspark", 8, drafter), "forced": ("dspark", 8, drafter),
+             "undrafted": ("dspark", 8, drafter)}
+    names = args.arms.split(",")
+    if unknown := [n for n in names if n not in known]:
+        ap.error(f"unknown arms {unknown}: choose from {', '.join(known)}")
     speed: dict[tuple[str, float], list[float]] = {}
     for rep in range(args.repeats):
-        for name, (policy, k, spec) in arms.items():
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            policy, k, spec = known[name]
             engine = Engine(target, tokenizer, EngineConfig(policy=policy, k=k, drafter=spec, max_running=32),
                             profile=profile)
-            if name.endswith("forced"):
-                engine.gate.draft = lambda requests, clean=True: True
+            if name in ("forced", "undrafted"):
+                engine.gate.draft = lambda requests, clean=True, drafts=name == "forced": drafts
             aeng = AsyncEngine(engine).start()
             try:
                 asyncio.run(bench._closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
@@ -69,10 +77,13 @@ def main() -> None:
                           f"of {engine.metrics.num_steps - steps}", flush=True)
             finally:
                 aeng.shutdown()
+    pairs = [(a, "plain") for a in names if a != "plain" and "plain" in names]
+    pairs += [("dspark", "forced")] if {"dspark", "forced"} <= set(names) else []
     for rate in rates:
-        ratios = [g / f for g, f in zip(speed[("dspark", rate)], speed[("dspark, gate forced", rate)])]
-        print(f"{rate:g} req/s: dspark / dspark with the gate forced to draft: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+        for a, b in pairs:
+            ratios = [x / y for x, y in zip(speed[(a, rate)], speed[(b, rate)])]
+            print(f"{rate:g} req/s: {a} / {b}: {', '.join(f'{r:.2f}' for r in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
 
 
 if __name__ == "__main__":
