@@ -213,3 +213,17 @@ def test_goals_compare_dspark_and_fixed1_only_where_both_sustain():
     assert load["met"]  # dspark keeps 100% of plain's rate, fixed-8 keeps 60%
     assert report["sustained"]["fixed-1/ngram"]["max_sustained_rate"] == 3
     assert goals({"open_loop": []}, cfg) == []
+
+
+def test_the_open_loop_engine_is_not_limited_to_the_closed_loops_clients():
+    """`--concurrency 1` once made every arm's engine run one request at a time, so the open loop measured a
+    one-slot server (plain "saturated" at 4 req/s where the batched engine sustains 12): the engine keeps at least
+    its default number of running requests, and more where the closed loop has more clients."""
+    from verispec.bench.serve import ServeBenchConfig
+    from verispec.config import EngineConfig
+
+    arm = ServeBenchConfig(Path("target")).arms()[0]
+    default = EngineConfig.max_running
+    assert ServeBenchConfig(Path("target"), concurrency=(1,)).engine_config(arm).max_running == default
+    many = ServeBenchConfig(Path("target"), concurrency=(1, 4 * default)).engine_config(arm)
+    assert many.max_running == 4 * default and many.max_queued >= many.max_running

@@ -76,6 +76,14 @@ class ServeBenchConfig:
         return OpenLoopConfig(rates=self.poisson_rates, duration_s=self.poisson_duration_s, tpot_slo_s=self.tpot_slo_s,
                               seed=self.seed)
 
+    def engine_config(self, arm: Arm) -> EngineConfig:
+        """One arm's engine: room for the most clients of the closed loop, and never fewer running requests than
+        the engine's default, so that the open loop's arrivals are not serialised by a short --concurrency list
+        (with `--concurrency 1` the engine once ran one request at a time and plain "saturated" at 4 req/s)."""
+        running = max(*self.concurrency, EngineConfig.max_running)
+        return EngineConfig(policy=arm.policy, k=arm.k, drafter=arm.drafter, max_running=running,
+                            max_queued=4 * running + 64, cache_budget_tokens=self.kv_pool)
+
     def arms(self) -> list[Arm]:
         arms = [Arm("off", "off", 0, None)]
         for d in self.drafters:
@@ -227,12 +235,8 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     schedules = {r: poisson_arrivals(r, ol.duration_s, random.Random(f"{ol.seed}:{r}")) for r in ol.rates}
     results: list[LoadResult] = []
     open_results: list[dict] = []
-    max_c = max(cfg.concurrency)
     for arm in cfg.arms():
-        engine = Engine(target, tokenizer, EngineConfig(
-            policy=arm.policy, k=arm.k, drafter=arm.drafter, max_running=max_c, max_queued=4 * max_c + 64,
-            cache_budget_tokens=cfg.kv_pool,
-        ), profile=profile)
+        engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
         aeng = AsyncEngine(engine).start()
         try:
             asyncio.run(_closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
