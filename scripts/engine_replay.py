@@ -6,7 +6,7 @@ arm carries. No wall-clock arrivals, no event loop: a few percent shows here tha
     python scripts/engine_replay.py --every 3 --requests 60 --repeats 12 --arms plain,undrafted
 
 Arms: plain (no drafter); undrafted (the dspark policy with the zoo's DSpark drafter, its gate never drafting);
-undrafted-nohidden (the same, the forward asked for no hidden states, so the drafter observes nothing); dspark
+undrafted-nohidden (the same, the forward asked for no hidden states, so the drafter observes none); dspark
 (the gate as it ships); forced (it always drafts). Arm order rotates every repeat; each arm's time over plain's,
 per repeat and as a median. With the default schedule about 20 requests decode at once.
 """
@@ -83,6 +83,8 @@ def main() -> None:
     names = args.arms.split(",")
     if unknown := [n for n in names if n not in ARMS]:
         ap.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
+    if len(set(names)) != len(names):
+        ap.error("each arm once: the ratios pair each arm's repeats with plain's")
     if "plain" not in names:
         ap.error("the arms must include plain (the reference)")
     torch.set_num_threads(args.threads)

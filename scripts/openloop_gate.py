@@ -56,6 +56,8 @@ def main() -> None:
     names = args.arms.split(",")
     if unknown := [n for n in names if n not in known]:
         ap.error(f"unknown arms {unknown}: choose from {', '.join(known)}")
+    if len(set(names)) != len(names):
+        ap.error("each arm once: the ratios pair each arm's repeats with plain's")
     speed: dict[tuple[str, float], list[float]] = {}
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[: rep % len(names)]:

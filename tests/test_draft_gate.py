@@ -502,3 +502,28 @@ def test_a_round_that_proposed_nothing_leaves_the_next_one_warm():
     assert len(next(iter(out.values())).token_ids) == 16
     assert {d for d, _ in calls} == {True, False}  # rounds with and without draft tokens
     assert all(counted for _, counted in calls), calls
+
+
+def test_a_request_under_another_policy_catching_up_on_its_prompt_leaves_the_step_unmeasured():
+    """A fixed-policy request whose drafter reads the prompt's hidden states proposes for the first time in the step
+    after its prompt: that proposal catches up on the prompt, so the step is not measured even though the request
+    is not the gate's (the dspark request beside it drafts warm)."""
+    target = tiny_model(4)
+    engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="d"),
+                    drafters={"d": _block_drafter(target, 0)})
+    engine.gate.draft = lambda n, clean=True: True
+    calls = []
+    engine.gate.record = lambda r, d, t, s, counted=True: calls.append(counted)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request(list(range(3, 23)), params, RequestSpec(), request_id="a")
+    for _ in range(4):  # "a" prefills, then drafts: cold once, then warm
+        engine.step()
+    assert calls[-1] is True
+    before = len(calls)
+    engine.add_request(list(range(30, 50)), params, RequestSpec(policy="fixed"), request_id="b")
+    engine.step()  # b's prompt rides along: not a clean step, not recorded
+    assert len(calls) == before
+    engine.step()  # b proposes for the first time, catching up on its prompt
+    assert calls[before:] == [False]
+    engine.run_until_done()
+    assert calls[-1] is True

@@ -80,7 +80,7 @@ class ServeBenchConfig:
         """One arm's engine: room for the most clients of the closed loop, and never fewer running requests than
         the engine's default, so that the open loop's arrivals are not serialised by a short --concurrency list
         (with `--concurrency 1` the engine once ran one request at a time and plain "saturated" at 4 req/s)."""
-        running = max(*self.concurrency, EngineConfig.max_running)
+        running = max((*self.concurrency, EngineConfig.max_running))
         return EngineConfig(policy=arm.policy, k=arm.k, drafter=arm.drafter, max_running=running,
                             max_queued=4 * running + 64, cache_budget_tokens=self.kv_pool)
 

@@ -431,8 +431,9 @@ class Engine:
         emitted_before = self.metrics.num_output_tokens
         rounds = self._draft(decoding, dspark=drafting)
         # For the draft gate (gate.py): a step drafted only where a dspark request proposed tokens (a round at its
-        # request's last token has no budget: a plain step), measured only where no dspark request drafted cold.
-        warm = not any(r.cold for r in rounds if r.req.policy == "dspark")
+        # request's last token has no budget: a plain step), measured only where no request drafted cold (a request
+        # under another policy catching up on its prompt makes a plain step slow too).
+        warm = not any(r.cold for r in rounds)
         gate_drafted = drafting and any(r.req.policy == "dspark" and r.draft.tokens for r in rounds)
         if not drafting:  # the gate kept them plain: a drafter whose context may have gaps gets no rows
             for rnd in rounds:
