@@ -5,10 +5,10 @@ arm carries. No wall-clock arrivals, no event loop: a few percent shows here tha
 
     python scripts/engine_replay.py --every 3 --requests 60 --repeats 12 --arms plain,undrafted
 
-Arms: plain (no drafter); undrafted (the dspark policy with the zoo's DSpark drafter, its gate never drafting);
-undrafted-nohidden (the same, the forward asked for no hidden states, so the drafter observes none); dspark
-(the gate as it ships); forced (it always drafts). Arm order rotates every repeat; each arm's time over plain's,
-per repeat and as a median. With the default schedule about 20 requests decode at once.
+Arms (step_breakdown.py's engines): plain (no drafter); undrafted (the dspark policy with the zoo's DSpark drafter,
+its gate never drafting); undrafted-nohidden (the same, the forward asked for no hidden states, so the drafter
+observes none); dspark (the gate as it ships); forced (it always drafts). Arm order rotates every repeat; each
+arm's time over plain's, per repeat and as a median. With the default schedule about 20 requests decode at once.
 """
 
 from __future__ import annotations
@@ -20,28 +20,25 @@ from pathlib import Path
 
 import torch
 
+from step_breakdown import arm_engine as breakdown_engine  # scripts/ is on sys.path when this script runs
+
 from verispec.bench import serve as bench
-from verispec.config import EngineConfig, RequestSpec, SamplingParams
+from verispec.config import RequestSpec, SamplingParams
 from verispec.engine.engine import Engine
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
-from verispec.profile import load_or_measure
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("plain", "undrafted", "undrafted-nohidden", "dspark", "forced")
+# this script's arms -> step_breakdown.py's engines (undrafted-nohidden: that engine, its forward without hidden rows)
+ENGINES = {"plain": "plain", "undrafted": "dspark-undrafted", "undrafted-nohidden": "dspark-undrafted",
+           "dspark": "dspark", "forced": "dspark-forced"}
+ARMS = tuple(ENGINES)
 
 
-def arm_engine(target, tokenizer, profile, arm: str) -> Engine:
-    if arm == "plain":
-        return Engine(target, tokenizer, EngineConfig(policy="off", k=0, drafter=None, max_running=32),
-                      profile=profile)
-    engine = Engine(target, tokenizer, EngineConfig(policy="dspark", k=8, drafter=f"dspark:{ROOT / 'zoo/dspark'}",
-                                                    max_running=32), profile=profile)
-    if arm.startswith("undrafted") or arm == "forced":
-        engine.gate.draft = lambda requests, clean=True, drafts=arm == "forced": drafts
+def arm_engine(target, arm: str) -> Engine:
+    engine = breakdown_engine(target, ENGINES[arm])
     if arm == "undrafted-nohidden":
-        forward = engine.target.forward_packed
-        engine.target = _NoHidden(engine.target, forward)
+        engine.target = _NoHidden(engine.target, engine.target.forward_packed)
     return engine
 
 
@@ -89,17 +86,15 @@ def main() -> None:
         ap.error("the arms must include plain (the reference)")
     torch.set_num_threads(args.threads)
     target = load_model(ROOT / "zoo/target", dtype="bf16")
-    target.source_dir = ROOT / "zoo/target"
     tokenizer = Tokenizer.from_dir(ROOT / "zoo/target")
-    profile = load_or_measure(target)
     cfg = bench.ServeBenchConfig(target=ROOT / "zoo/target")
     prompts = bench._prompts(tokenizer, cfg.max_prompt_tokens, cfg.seed, cfg.min_prompt_tokens)
     for name in names:  # warm-up: every arm's first shapes and the drafter's first forwards
-        replay(arm_engine(target, tokenizer, profile, name), prompts, args.every, 4)
+        replay(arm_engine(target, name), prompts, args.every, 4)
     times: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
-            wall, steps = replay(arm_engine(target, tokenizer, profile, name), prompts, args.every, args.requests)
+            wall, steps = replay(arm_engine(target, name), prompts, args.every, args.requests)
             times[name].append(wall)
             print(f"repeat {rep} {name:20s} {wall:6.3f} s, {steps} steps", flush=True)
     for name in names:

@@ -38,7 +38,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -520,8 +520,8 @@ class Engine:
                 check_draft(draft, dreq.budget, self.target.config.vocab_size, drafter)
                 # the acceptance estimator scores whole chain proposals; a tree's nodes are no positions
                 proposed = draft.tokens if draft.is_chain else []
-                req = by_seq[dreq.seq_id]
-                rounds[req.request_id] = _Round(req, draft, 0, proposed, cold=rounds[req.request_id].cold)
+                rid = by_seq[dreq.seq_id].request_id
+                rounds[rid] = replace(rounds[rid], draft=draft, proposed=proposed)
         return list(rounds.values())
 
     def _conditional(self, rnd: _Round) -> list[float]:
