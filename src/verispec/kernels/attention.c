@@ -91,8 +91,34 @@ static inline __attribute__((always_inline)) void pv(const int vecs, const float
     _Pragma("GCC unroll 8") for (int i = 0; i < vecs; i++) _mm256_storeu_ps(acc_mem + 8 * i, acc[i]);
 }
 
+#if defined(__AVX512F__)
+/* pv on 16 lanes: lane d still sums p[s] v[s, d] in order of s, so the bits are pv's; a Zen 5 retires a 512-bit FMA
+ * as fast as a 256-bit one (a Zen 4 splits it in two: no slower there). */
+static inline __attribute__((always_inline)) void pv16(const int vecs, const float *p, const float *v, int64_t kss,
+                                                        int64_t s0, int64_t s1, float *acc_mem) {
+    __m512 acc[4];
+    _Pragma("GCC unroll 4") for (int i = 0; i < vecs; i++) acc[i] = _mm512_loadu_ps(acc_mem + 16 * i);
+    for (int64_t s = s0; s < s1; s++) {
+        const __m512 ps = _mm512_set1_ps(p[s]);
+        _Pragma("GCC unroll 4") for (int i = 0; i < vecs; i++)
+            acc[i] = _mm512_fmadd_ps(ps, _mm512_loadu_ps(v + s * kss + 16 * i), acc[i]);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < vecs; i++) _mm512_storeu_ps(acc_mem + 16 * i, acc[i]);
+}
+#endif
+
 static void pv_any(int64_t D, const float *p, const float *v, int64_t kss, int64_t s0, int64_t s1, float *acc) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
+#if defined(__AVX512F__)
+        if ((D - d0) % 16 == 0) {
+            switch ((D - d0 >= 64 ? 64 : D - d0) / 16) {
+                case 1: pv16(1, p, v + d0, kss, s0, s1, acc + d0); continue;
+                case 2: pv16(2, p, v + d0, kss, s0, s1, acc + d0); continue;
+                case 3: pv16(3, p, v + d0, kss, s0, s1, acc + d0); continue;
+                default: pv16(4, p, v + d0, kss, s0, s1, acc + d0); continue;
+            }
+        }
+#endif
         switch ((D - d0 >= 64 ? 64 : D - d0) / 8) {
             case 1: pv(1, p, v + d0, kss, s0, s1, acc + d0); break;
             case 2: pv(2, p, v + d0, kss, s0, s1, acc + d0); break;
@@ -155,6 +181,28 @@ static inline void scores8x2(const float *q0, const float *q1, const float *k, i
  * PAIR_DIMS. */
 static void pv2(int64_t D, const float *p0, const float *p1, const float *v, int64_t kss, int64_t s0, int64_t s1,
                 float *acc0, float *acc1) {
+#if defined(__AVX512F__) /* pv16's lanes (the same bits as eight), 2 x 4 accumulators */
+    for (int64_t d0 = 0; d0 < D; d0 += PAIR_DIMS) {
+        __m512 a[4], b[4];
+        for (int i = 0; i < 4; i++) {
+            a[i] = _mm512_loadu_ps(acc0 + d0 + 16 * i);
+            b[i] = _mm512_loadu_ps(acc1 + d0 + 16 * i);
+        }
+        for (int64_t s = s0; s < s1; s++) {
+            const __m512 pa = _mm512_set1_ps(p0[s]), pb = _mm512_set1_ps(p1[s]);
+            for (int i = 0; i < 4; i++) {
+                __m512 vv = _mm512_loadu_ps(v + s * kss + d0 + 16 * i);
+                IN_REG(vv);
+                a[i] = _mm512_fmadd_ps(pa, vv, a[i]);
+                b[i] = _mm512_fmadd_ps(pb, vv, b[i]);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            _mm512_storeu_ps(acc0 + d0 + 16 * i, a[i]);
+            _mm512_storeu_ps(acc1 + d0 + 16 * i, b[i]);
+        }
+    }
+#else
     enum { VECS = PAIR_DIMS / 8 };
     for (int64_t d0 = 0; d0 < D; d0 += PAIR_DIMS) {
         __m256 a[VECS], b[VECS];
@@ -176,6 +224,7 @@ static void pv2(int64_t D, const float *p0, const float *p1, const float *v, int
             _mm256_storeu_ps(acc1 + d0 + 8 * i, b[i]);
         }
     }
+#endif
 }
 
 /* One key's score in scores8's order (its remainder loop, which equals a full block's lane). */
@@ -190,8 +239,8 @@ static inline float score1(const float *q, const float *k, int64_t D, float scal
  * c + 2l, each product exact (q and k are bf16 values: a bf16 model's queries are rounded before attention, and a
  * query that is not is rounded here) and each sum rounded once, i.e. two FMAs; the 8 lanes then go through hsum8's
  * tree (hsum for a key alone: the same lane). AVX-512 BF16 runs it as 256-bit vdpbf16ps straight off the cache's
- * rows (no widening, half the multiply instructions; on a Zen 4 a 256-bit one retires as many products a cycle as a
- * 512-bit one); the other builds widen a block of rows once into "split" fp32 rows (per chunk: the pairs' 8 odd
+ * rows (no widening, half the multiply instructions), a query pair's two in one 512-bit one (pair_block2: a Zen 5
+ * retires a 512-bit one as fast as a 256-bit one, a Zen 4 splits it in two); the other builds widen a block of rows once into "split" fp32 rows (per chunk: the pairs' 8 odd
  * dims, then their 8 even ones; queries alike) and run the same FMAs, so every build gives the same bits
  * (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them: only there can builds differ, gemm.c's
  * one caveat). A query is prepared once per group() call (prep_pair_q); the loops are scores8's and scores8x2's. */
@@ -212,12 +261,47 @@ static inline float pair_score1(const float *qp, const void *k, int64_t D, float
     return hsum(a) * scale;
 }
 
+/* hadd_ps on each 256-bit half of a and b: per 128-bit lane (a0 + a1, a2 + a3, b0 + b1, b2 + b3) */
+static inline __m512 hadd16(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Two queries over one full block of 8 keys, query 0 in the low half of each register and query 1 in the high
+ * half (each key row loaded once into both): every lane sums what pair_block's does, in its order, and the tree is
+ * hsum8's on both halves at once. */
+static inline void pair_block2(const uint16_t *q0, const uint16_t *q1, const uint16_t *k, int64_t kss, int64_t D,
+                               float scale, float *scores0, float *scores1) {
+    __m512 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512bh x = (__m512bh)_mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q0 + c))),
+            _mm256_loadu_si256((const __m256i *)(q1 + c)), 1);
+        for (int j = 0; j < 8; j++) {
+            const __m256i kj = _mm256_loadu_si256((const __m256i *)(k + j * kss + c));
+            a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_broadcast_i64x4(kj));
+        }
+    }
+    __m512 t0 = hadd16(hadd16(a[0], a[1]), hadd16(a[2], a[3])), t2 = hadd16(hadd16(a[4], a[5]), hadd16(a[6], a[7]));
+    /* 128-bit lanes: t0 = (q0 keys 0-3 lo, hi, q1 lo, hi), t2 the same for keys 4-7 */
+    const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 r = _mm512_mul_ps(_mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_ps(scale));
+    _mm256_storeu_ps(scores0, _mm512_castps512_ps256(r));
+    _mm256_storeu_ps(scores1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+}
+
 /* NQ (1 or 2) queries over one full block of 8 keys (rows kss elements apart), each key row loaded once for all:
  * 8 x NQ accumulators, chunk by chunk */
 static inline __attribute__((always_inline)) void pair_block(const int NQ, const float *qp0, const float *qp1,
                                                              const uint16_t *k, int64_t kss, int64_t D, float scale,
                                                              float *scores0, float *scores1) {
     const uint16_t *q0 = (const uint16_t *)qp0, *q1 = (const uint16_t *)qp1;
+    if (NQ == 2) { /* both queries in one register: half the dot products, and both trees in one */
+        pair_block2(q0, q1, k, kss, D, scale, scores0, scores1);
+        return;
+    }
     __m256 a[8], b[8];
     for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 16) {
@@ -380,7 +464,18 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
         for (s = ni; s < n8; s++) pi[s] = -INFINITY;
         mv = _mm256_set1_ps(m);
         __m256 lsum = _mm256_setzero_ps();
-        for (s = 0; s < n8; s += 8) {
+        s = 0;
+#if defined(__AVX512F__) /* 16 scores at a time, summed into lsum eight by eight in the same order */
+        for (; s + 16 <= n8; s += 16) {
+            __m512 e = exp16_ps(_mm512_sub_ps(_mm512_loadu_ps(pi + s), _mm512_set1_ps(m)));
+            if (s + 16 > ni) /* lanes past n contribute nothing */
+                e = _mm512_maskz_mov_ps((__mmask16)((1u << (ni - s)) - 1), e);
+            _mm512_storeu_ps(pi + s, e);
+            lsum = _mm256_add_ps(lsum, _mm512_castps512_ps256(e));
+            lsum = _mm256_add_ps(lsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+        }
+#endif
+        for (; s < n8; s += 8) {
             __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(pi + s), mv));
             if (s + 8 > ni) { /* lanes past n contribute nothing */
                 const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -390,7 +485,12 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
             lsum = _mm256_add_ps(lsum, e);
         }
         const float inv = 1.0f / hsum(lsum);
-        for (s = 0; s < ni; s++) pi[s] *= inv; /* normalised weights: p @ V is then the output itself */
+        s = 0;
+#if defined(__AVX512F__)
+        for (; s + 16 <= ni; s += 16)
+            _mm512_storeu_ps(pi + s, _mm512_mul_ps(_mm512_loadu_ps(pi + s), _mm512_set1_ps(inv)));
+#endif
+        for (; s < ni; s++) pi[s] *= inv; /* normalised weights: p @ V is then the output itself */
         for (int64_t d = 0; d < D; d++) o[i][d] = 0.0f;
     }
     for (int64_t s0 = 0; s0 < nmax; s0 += KEY_CHUNK) {
