@@ -177,6 +177,32 @@ static inline void scores8x2(const float *q0, const float *q1, const float *k, i
     }
 }
 
+#if defined(__AVX512F__)
+/* pv for four queries over the same keys [s0, s1) (p: their rows sp apart, acc: theirs), each in pv's order: each
+ * value row loaded once for four queries' FMAs, 4 x 4 accumulators. D must be a multiple of 64. */
+static void pv4(int64_t D, const float *p, int64_t sp, const float *v, int64_t kss, int64_t s0, int64_t s1,
+                float *const *acc) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m512 a[4][4];
+        for (int q = 0; q < 4; q++)
+            for (int i = 0; i < 4; i++) a[q][i] = _mm512_loadu_ps(acc[q] + d0 + 16 * i);
+        for (int64_t s = s0; s < s1; s++) {
+            __m512 vv[4];
+            for (int i = 0; i < 4; i++) {
+                vv[i] = _mm512_loadu_ps(v + s * kss + d0 + 16 * i);
+                IN_REG(vv[i]);
+            }
+            for (int q = 0; q < 4; q++) {
+                const __m512 pq = _mm512_set1_ps(p[q * sp + s]);
+                for (int i = 0; i < 4; i++) a[q][i] = _mm512_fmadd_ps(pq, vv[i], a[q][i]);
+            }
+        }
+        for (int q = 0; q < 4; q++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc[q] + d0 + 16 * i, a[q][i]);
+    }
+}
+#endif
+
 /* pv for two queries over the same keys [s0, s1), each query's sum in pv's order. D must be a multiple of
  * PAIR_DIMS. */
 static void pv2(int64_t D, const float *p0, const float *p1, const float *v, int64_t kss, int64_t s0, int64_t s1,
@@ -500,6 +526,20 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
         for (int64_t i = 0; i < nq; i++) {
             if (n[i] <= s0) continue;
             const int64_t e = (n[i] < s1 ? n[i] : s1) - s0;
+#if defined(__AVX512F__)
+            if (D % 64 == 0 && i + 3 < nq && n[i + 3] > s0) { /* four queries (a prefill's): the keys all see first */
+                int64_t all = e, eq;
+                for (int q = 1; q < 4; q++) all = (eq = (n[i + q] < s1 ? n[i + q] : s1) - s0) < all ? eq : all;
+                all = all > 0 ? all : 0; /* a query in between may see none of this chunk */
+                pv4(D, p + i * sp + s0, sp, vb, st, 0, all, o + i);
+                for (int q = 0; q < 4; q++) {
+                    eq = (n[i + q] < s1 ? n[i + q] : s1) - s0;
+                    if (eq > all) pv_any(D, p + (i + q) * sp + s0, vb, st, all, eq, o[i + q]);
+                }
+                i += 3;
+                continue;
+            }
+#endif
             if (D % PAIR_DIMS == 0 && i + 1 < nq && n[i + 1] > s0) { /* the keys both see together, then the rest */
                 const int64_t e1 = (n[i + 1] < s1 ? n[i + 1] : s1) - s0, both = e < e1 ? e : e1;
                 pv2(D, p + i * sp + s0, p + (i + 1) * sp + s0, vb, st, 0, both, o[i], o[i + 1]);
