@@ -124,6 +124,49 @@ def test_native_forward_is_the_same_on_every_path(isa, dtype, head_dim):
     assert torch.equal(prefill, base[0]) and torch.equal(verify, base[1]), f"{isa} differs from {ISAS[0]}"
 
 
+@needs_native
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (3, 1, 64), (4, 1, 128), (6, 3, 48), (4, 2, 80),
+                                              (4, 2, 72), (2, 1, 24)])
+@pytest.mark.parametrize("t,cached", [(1, 70), (9, 61), (40, 0), (30, 33)])
+def test_attention_is_the_same_on_every_path_and_each_query_as_alone(heads, kv_heads, d, t, cached):
+    # head dims on and off the 16- and 64-wide p @ V passes, groups of 1-4 queries per key/value head, more than one
+    # key chunk (32) and query chunk (32), and ragged softmax tails: every query as its own one-token step computes it
+    gen = torch.Generator().manual_seed(d * 1000 + t * 10 + cached)
+    s = cached + t
+    ck, cv = (torch.randn(1, kv_heads, s, d, generator=gen) for _ in range(2))
+    q = torch.randn(1, t, heads, d, generator=gen).transpose(1, 2)
+    outs = {}
+    for name in ISAS:
+        with native.use(name):
+            outs[name] = native.attention(q, ck, cv, True)
+            for j in range(t):
+                n = cached + j + 1
+                alone = native.attention(q[:, :, j : j + 1], ck[:, :, :n], cv[:, :, :n], True)
+                assert torch.equal(alone[:, :, 0], outs[name][:, :, j]), (name, j)
+    for name in ISAS[1:]:
+        assert torch.equal(outs[name], outs[ISAS[0]]), f"{name} differs from {ISAS[0]}"
+    k64, v64 = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (ck, cv))
+    mask = torch.ones(t, s, dtype=torch.bool).tril(cached)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k64, v64, attn_mask=mask)
+    torch.testing.assert_close(outs[ISAS[0]].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 3, 64), (3, 1, 128), (4, 2, 48), (4, 2, 80)])
+def test_a_long_prefill_and_verify_are_the_same_on_every_path(isa, dtype, heads, kv_heads, head_dim):
+    # a 41-row prefill (two key chunks, more than one query chunk) and a 9-row verify; G = 1 and 3 leave a query of a
+    # group unpaired beside the pairs (on AVX-512 BF16 over a bf16 cache: pair_block2 beside one query's pair_block)
+    model = tiny_model(6, model_type="qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim).to(dtype).pack_weights()
+    tokens = torch.randint(0, model.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(7))
+    prefill, verify, steps, _ = _forwards(model, tokens, 41)
+    assert torch.equal(verify, steps)
+    with native.use(ISAS[0]):
+        base = _forwards(model, tokens, 41)
+    assert torch.equal(prefill, base[0]) and torch.equal(verify, base[1]), f"{isa} differs from {ISAS[0]}"
+
+
 def _packed_and_alone(model):
     """Three sequences' new tokens through one packed forward after their own caches, and each run alone:
     (packed logits, packed hidden of layer 2, alone logits, alone hidden, the packed caches' lengths, expected)."""

@@ -1,5 +1,6 @@
-/* Attention of new queries over a KV cache on CPU (decode and verify steps, prefills): fp32 sums, AVX2 + FMA, and
- * AVX-512 BF16's vdpbf16ps for the scores over a bf16 cache (the pair scores below).
+/* Attention of new queries over a KV cache on CPU (decode and verify steps, prefills): fp32 sums, AVX2 + FMA (p @ V
+ * and the softmax on 512-bit registers where the build has AVX-512F, each lane the same operations), and AVX-512
+ * BF16's vdpbf16ps for the scores over a bf16 cache (the pair scores below).
  *
  * out[b, t, h] = softmax_s(scale * q[b, t, h] . k[b, h / G, s]) @ v[b, h / G, s], over keys s < limit(t):
  * limit(t) = causal_from + t + 1 (capped at S), or every key when causal_from < 0. G = H / Hkv query heads share a
@@ -15,8 +16,9 @@
  * and summed in exactly the order a causal query would use if they sat right after the first causal_from keys, so a
  * tree node's output is bit-identical to the same query's in a chain holding its path (what a one-token step gives).
  *
- * A GQA group's queries go two at a time through the score and p @ V loops (scores8x2, pv2), each key and value row
- * loaded once for both; each query's sums keep their order, so pairing changes no bit.
+ * A GQA group's queries go two at a time through the score loops (scores8x2; pair_block2 on AVX-512 BF16) and two
+ * or, on AVX-512, four at a time through p @ V (pv2, pv4), each key and value row loaded once for all of them; each
+ * query's sums keep their order, so grouping changes no bit.
  *
  * vs_attention_batch: many sequences' queries, each over its own cache (vs_attn_job), in one call; a cache may hold
  * bf16 keys and values (a bf16 model's are bf16 values: exact, half the bytes a step streams). Its scores are then
@@ -92,8 +94,8 @@ static inline __attribute__((always_inline)) void pv(const int vecs, const float
 }
 
 #if defined(__AVX512F__)
-/* pv on 16 lanes: lane d still sums p[s] v[s, d] in order of s, so the bits are pv's; a Zen 5 retires a 512-bit FMA
- * as fast as a 256-bit one (a Zen 4 splits it in two: no slower there). */
+/* pv on 16 lanes: lane d still sums p[s] v[s, d] in order of s, so the bits are pv's. A Zen 5 retires a 512-bit FMA
+ * as fast as a 256-bit one (measured there); a Zen 4 splits it in two, so expected no slower there (not measured). */
 static inline __attribute__((always_inline)) void pv16(const int vecs, const float *p, const float *v, int64_t kss,
                                                         int64_t s0, int64_t s1, float *acc_mem) {
     __m512 acc[4];
@@ -207,7 +209,7 @@ static void pv4(int64_t D, const float *p, int64_t sp, const float *v, int64_t k
  * PAIR_DIMS. */
 static void pv2(int64_t D, const float *p0, const float *p1, const float *v, int64_t kss, int64_t s0, int64_t s1,
                 float *acc0, float *acc1) {
-#if defined(__AVX512F__) /* pv16's lanes (the same bits as eight), 2 x 4 accumulators */
+#if defined(__AVX512F__) && PAIR_DIMS == 64 /* pv16's lanes (the same bits as eight), 2 x 4 accumulators */
     for (int64_t d0 = 0; d0 < D; d0 += PAIR_DIMS) {
         __m512 a[4], b[4];
         for (int i = 0; i < 4; i++) {
@@ -266,8 +268,9 @@ static inline float score1(const float *q, const float *k, int64_t D, float scal
  * query that is not is rounded here) and each sum rounded once, i.e. two FMAs; the 8 lanes then go through hsum8's
  * tree (hsum for a key alone: the same lane). AVX-512 BF16 runs it as 256-bit vdpbf16ps straight off the cache's
  * rows (no widening, half the multiply instructions), a query pair's two in one 512-bit one (pair_block2: a Zen 5
- * retires a 512-bit one as fast as a 256-bit one, a Zen 4 splits it in two); the other builds widen a block of rows once into "split" fp32 rows (per chunk: the pairs' 8 odd
- * dims, then their 8 even ones; queries alike) and run the same FMAs, so every build gives the same bits
+ * retires it as fast as a 256-bit one, a Zen 4 in two halves); the other builds widen a block of rows once into
+ * "split" fp32 rows (per chunk: the pairs' 8 odd dims, then their 8 even ones; queries alike) and run the same
+ * FMAs, so every build gives the same bits
  * (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them: only there can builds differ, gemm.c's
  * one caveat). A query is prepared once per group() call (prep_pair_q); the loops are scores8's and scores8x2's. */
 #if defined(__AVX512BF16__)
@@ -319,27 +322,22 @@ static inline void pair_block2(const uint16_t *q0, const uint16_t *q1, const uin
 }
 
 /* NQ (1 or 2) queries over one full block of 8 keys (rows kss elements apart), each key row loaded once for all:
- * 8 x NQ accumulators, chunk by chunk */
+ * two in pair_block2, one on 8 accumulators, chunk by chunk */
 static inline __attribute__((always_inline)) void pair_block(const int NQ, const float *qp0, const float *qp1,
                                                              const uint16_t *k, int64_t kss, int64_t D, float scale,
                                                              float *scores0, float *scores1) {
-    const uint16_t *q0 = (const uint16_t *)qp0, *q1 = (const uint16_t *)qp1;
-    if (NQ == 2) { /* both queries in one register: half the dot products, and both trees in one */
-        pair_block2(q0, q1, k, kss, D, scale, scores0, scores1);
+    const uint16_t *q0 = (const uint16_t *)qp0;
+    if (NQ == 2) {
+        pair_block2(q0, (const uint16_t *)qp1, k, kss, D, scale, scores0, scores1);
         return;
     }
-    __m256 a[8], b[8];
-    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 16) {
-        const __m256bh x0 = LOADBH(q0 + c), x1 = NQ == 2 ? LOADBH(q1 + c) : x0;
-        for (int j = 0; j < 8; j++) {
-            const __m256bh kv = LOADBH(k + j * kss + c);
-            a[j] = _mm256_dpbf16_ps(a[j], x0, kv);
-            if (NQ == 2) b[j] = _mm256_dpbf16_ps(b[j], x1, kv);
-        }
+        const __m256bh x0 = LOADBH(q0 + c);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_dpbf16_ps(a[j], x0, LOADBH(k + j * kss + c));
     }
     _mm256_storeu_ps(scores0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
-    if (NQ == 2) _mm256_storeu_ps(scores1, _mm256_mul_ps(hsum8(b), _mm256_set1_ps(scale)));
 }
 
 /* the block's key rows as the score loops read them: the cache's own bf16 rows */
@@ -527,7 +525,7 @@ static void group(const float *const *qs, float *const *o, const int64_t *n, con
             if (n[i] <= s0) continue;
             const int64_t e = (n[i] < s1 ? n[i] : s1) - s0;
 #if defined(__AVX512F__)
-            if (D % 64 == 0 && i + 3 < nq && n[i + 3] > s0) { /* four queries (a prefill's): the keys all see first */
+            if (D % 64 == 0 && i + 3 < nq && n[i + 3] > s0) { /* four queries: the keys all four see first */
                 int64_t all = e, eq;
                 for (int q = 1; q < 4; q++) all = (eq = (n[i + q] < s1 ? n[i + q] : s1) - s0) < all ? eq : all;
                 all = all > 0 ? all : 0; /* a query in between may see none of this chunk */

@@ -1,4 +1,5 @@
-/* Vector math shared by the kernels (header only, explicit AVX2 intrinsics: the same results in every build). */
+/* Vector math shared by the kernels (header only, explicit AVX2 intrinsics, and an AVX-512F twin doing the same
+ * operations lane by lane: the same results in every build). */
 #ifndef VERISPEC_VECMATH_H
 #define VERISPEC_VECMATH_H
 #include <immintrin.h>
