@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -47,19 +48,24 @@ def timed_engine(engine: Engine, totals: dict[str, float]) -> None:
     wrap(engine.target, "forward_packed", "forward")
 
 
-ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced", "dspark-no-backoff", "plain-no-prefix-cache")
+ARMS = ("plain", "dspark", "dspark-undrafted", "dspark-forced", "dspark-no-backoff", "dspark-capped", "fixed-8",
+        "plain-no-prefix-cache")
 
 
 def arm_engine(target, arm: str) -> Engine:
     """A fresh engine for one arm: plain, or the dspark policy with the zoo's DSpark drafter and its draft gate
     as it ships, never drafting (what carrying the drafter costs on its own), always drafting (what drafting
-    itself delivers at each load) or without the gate's probe backoff."""
+    itself delivers at each load), without the gate's probe backoff, or with its drafts capped as a draft model's
+    are; or fixed k = 8 with the same drafter."""
     if arm.startswith("plain"):
         return Engine(target, None, EngineConfig(drafter=None, max_running=64,
                                                  **({"prefix_cache_bytes": 0} if arm == "plain-no-prefix-cache"
                                                     else {})))
-    engine = Engine(target, None, EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}", policy="dspark", k=8,
-                                               max_running=64))
+    engine = Engine(target, None, EngineConfig(drafter=f"dspark:{ROOT / 'zoo/dspark'}",
+                                               policy="fixed" if arm == "fixed-8" else "dspark", k=8, max_running=64))
+    if arm == "dspark-capped":  # its drafts capped at two past what the last round verified, as for a draft model
+        drafter = engine.drafter(engine.config.drafter)
+        drafter.capabilities = dataclasses.replace(drafter.capabilities, one_pass=False)
     if arm == "dspark-undrafted":
         engine.gate.draft = lambda requests, clean=True: False
     if arm == "dspark-no-backoff":  # probes spaced by probe_cost alone, as before the gate's backoff

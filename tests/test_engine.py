@@ -266,6 +266,36 @@ def test_dspark_rule_counts_the_drafting_time(target, plain):
         assert (engine.metrics.num_draft_tokens > 0) == verified, delay
 
 
+class _BudgetSpy(_SlowConfidentDrafter):
+    """_SlowConfidentDrafter without the delay, recording each proposal's budget; `one_pass` as declared."""
+
+    def __init__(self, target, one_pass: bool) -> None:
+        super().__init__(target, 0.0)
+        self.capabilities = replace(self.capabilities, one_pass=one_pass)
+        self.budgets: list[int] = []
+
+    def propose(self, requests):
+        self.budgets += [r.budget for r in requests]
+        return super().propose(requests)
+
+
+def test_the_dspark_policy_asks_a_one_pass_drafter_for_k_every_round(target, plain):
+    """With verified rows cheap but not free the dspark cut verifies part of a half-sure draft of 6. A drafter whose
+    positions cost a forward each is then asked for two past what was verified next round; one that proposes them
+    all in one forward (block drafters) for all 6 again. Outputs stay plain's."""
+    bs = tuple(range(1, 17))
+    cheap = StepProfile({}, bs, tuple(0.01 + 0.001 * b for b in bs), 0.0, 0)
+    for one_pass in (False, True):
+        spy = _BudgetSpy(target, one_pass)
+        engine = Engine(target, None, EngineConfig(policy="dspark", k=6, drafter="spy"), drafters={"spy": spy},
+                        profile=cheap)
+        engine.add_request(PROMPTS[0], GREEDY, request_id="r")
+        assert engine.run_until_done()["r"].token_ids == plain[0]
+        early = spy.budgets[:3]
+        assert len(early) == 3 and early[0] == 6, spy.budgets
+        assert early == [6] * 3 if one_pass else max(early[1:]) < 6, (one_pass, spy.budgets)
+
+
 def test_dspark_appendix_counterexample_is_lossless():
     """DSpark appendix A: p=(0.7,0.3), q=(0.5,0.5), SPS(1,2,3)=(1,0.5,0.45). A scheduler whose choice depends
     on the drafted token biases the output to (0.85, 0.15); ours decides from survival before the token, so the

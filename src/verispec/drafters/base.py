@@ -141,6 +141,9 @@ class Capabilities:
     # knows, which restarts there (a windowed context that sees recent positions only). The engine skips handing
     # over rows while its draft gate keeps such a drafter's requests plain.
     context_gaps: bool = False
+    # whether one forward proposes all of a round's positions (block drafters): drafting positions the dspark cut
+    # then drops costs it little, so the engine's dspark policy asks it for k every round, as the library's does
+    one_pass: bool = False
 
 
 NO_NEEDS = Capabilities()

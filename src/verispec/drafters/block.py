@@ -75,7 +75,7 @@ class BlockDrafter(Drafter):
             raise ConfigError("a block drafter with the RNN head drafts chains only (tree=off)")
         self.tree = tree
         self.capabilities = Capabilities(hidden_layers=tuple(model.config.target_layers), context_gaps=self.window > 0,
-                                         trees=tree.enabled, tree_requests=trees)
+                                         trees=tree.enabled, tree_requests=trees, one_pass=True)
         self.calibration = TreeCalibration()  # learnt from every verified tree; ranks "calibrated" trees
         # STS: per-position temperatures for the confidence logits (1.0 = uncalibrated)
         self.temperatures = list(temperatures or [])
