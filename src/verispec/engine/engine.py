@@ -397,8 +397,8 @@ class Engine:
         # dspark drafts at most two past what it verified last round: drafting positions the scheduler is sure to
         # cut costs a draft model real forwards (the production variant sizes the budget from earlier steps too).
         # A drafter that proposes every position in one forward is asked for k, as the library's dspark policy
-        # asks: with the DSpark drafter, uncapped over capped 1.04 / 1.07x at 1 / 2 closed-loop clients, then 1.02 /
-        # 1.05x and 0.97x at 4 in a noisier run (medians of 4 repeats, scripts/engine_ab.py, Zen 5).
+        # asks: the cap saves it little. With the DSpark drafter, uncapped over capped at 1 / 2 closed-loop clients
+        # 1.04 / 1.07x, 1.02 / 1.05x and, over 10 repeats, 1.03 / 0.99x (medians, scripts/engine_ab.py, Zen 5).
         capped = req.drafter is None or not self.drafter(req.drafter).capabilities.one_pass
         k = {"off": 0, "fixed": req.k, "dspark": min(req.k, req.last_verified + 2) if capped else req.k,
              "batch-table": min(req.k, self.config.table_k(num_decoding))}
