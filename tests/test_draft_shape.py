@@ -94,8 +94,9 @@ def test_capabilities_are_instance_data_and_compose():
     target = tiny_model()
     assert NgramDrafter().capabilities == Capabilities() and not TreeDrafter().capabilities.trees
     block = BlockDrafter(make_block(target), target)
-    # the default (parallel) head draws a tree a request asks for; its own default shape stays a chain
-    assert block.capabilities == Capabilities(hidden_layers=(1,), tree_requests=True)
+    # the default (parallel) head draws a tree a request asks for; its own default shape stays a chain; one block
+    # forward proposes every position
+    assert block.capabilities == Capabilities(hidden_layers=(1,), tree_requests=True, one_pass=True)
     assert LookupFirstDrafter(block).capabilities == block.capabilities  # a composed drafter: its inner one's
     assert LookupFirstDrafter(ModelDrafter(target)).capabilities == Capabilities(tree_requests=True)
 

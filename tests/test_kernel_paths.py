@@ -111,16 +111,24 @@ def test_native_forward_matches_the_torch_path(family, dtype, head_dim):
         torch.testing.assert_close(native_out[3][layer].float(), torch_out[3][layer].float(), **tol)
 
 
+# (query heads, key/value heads, head_dim, tokens, prefill rows): tiny_config's heads at three head dims; then a
+# 41-row prefill (two key chunks, more than one query chunk) and a 9-row verify with G = 1, 2 and 3 (a group's odd
+# query unpaired beside the pairs: on AVX-512 BF16 over a bf16 cache, pair_block2 beside one query's pair_block)
+FORWARD_SHAPES = [(None, None, 16, 26, 17), (None, None, 32, 26, 17), (None, None, 64, 26, 17), (4, 2, 64, 50, 41),
+                  (3, 3, 64, 50, 41), (3, 1, 128, 50, 41), (4, 2, 48, 50, 41), (4, 2, 80, 50, 41)]
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("head_dim", [16, 32, 64])
-def test_native_forward_is_the_same_on_every_path(isa, dtype, head_dim):
-    model = tiny_model(4, model_type="qwen3", head_dim=head_dim).to(dtype).pack_weights()
-    tokens = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(2))
-    prefill, verify, steps, _ = _forwards(model, tokens, 17)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,length,split", FORWARD_SHAPES)
+def test_native_forward_is_the_same_on_every_path(isa, dtype, heads, kv_heads, head_dim, length, split):
+    groups = {} if heads is None else dict(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    model = tiny_model(4, model_type="qwen3", head_dim=head_dim, **groups).to(dtype).pack_weights()
+    tokens = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(2))
+    prefill, verify, steps, _ = _forwards(model, tokens, split)
     assert torch.equal(verify, steps)
     with native.use(ISAS[0]):
-        base = _forwards(model, tokens, 17)
+        base = _forwards(model, tokens, split)
     assert torch.equal(prefill, base[0]) and torch.equal(verify, base[1]), f"{isa} differs from {ISAS[0]}"
 
 
@@ -149,22 +157,6 @@ def test_attention_is_the_same_on_every_path_and_each_query_as_alone(heads, kv_h
     mask = torch.ones(t, s, dtype=torch.bool).tril(cached)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k64, v64, attn_mask=mask)
     torch.testing.assert_close(outs[ISAS[0]].double(), ref, rtol=1e-5, atol=1e-5)
-
-
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 3, 64), (3, 1, 128), (4, 2, 48), (4, 2, 80)])
-def test_a_long_prefill_and_verify_are_the_same_on_every_path(isa, dtype, heads, kv_heads, head_dim):
-    # a 41-row prefill (two key chunks, more than one query chunk) and a 9-row verify; G = 1 and 3 leave a query of a
-    # group unpaired beside the pairs (on AVX-512 BF16 over a bf16 cache: pair_block2 beside one query's pair_block)
-    model = tiny_model(6, model_type="qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=head_dim).to(dtype).pack_weights()
-    tokens = torch.randint(0, model.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(7))
-    prefill, verify, steps, _ = _forwards(model, tokens, 41)
-    assert torch.equal(verify, steps)
-    with native.use(ISAS[0]):
-        base = _forwards(model, tokens, 41)
-    assert torch.equal(prefill, base[0]) and torch.equal(verify, base[1]), f"{isa} differs from {ISAS[0]}"
 
 
 def _packed_and_alone(model):
