@@ -418,6 +418,16 @@ static inline const float *rows_f32(const void *base, int kv16, int64_t kss, int
         return (const float *)base + s0 * kss;
     }
     const uint16_t *src = (const uint16_t *)base + s0 * kss;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) { /* the same bits, 16 at a time */
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(buf + r * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + r * kss + d))), 16)));
+        *stride = D;
+        return buf;
+    }
+#endif
     for (int64_t r = 0; r < n; r++)
         for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(buf + r * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(
