@@ -399,11 +399,13 @@ class Engine:
         # A drafter that proposes every position in one forward is asked for k, as the library's dspark policy
         # asks: the cap saves it little. With the DSpark drafter, uncapped over capped at 1 / 2 closed-loop clients
         # 1.04 / 1.07x, 1.02 / 1.05x and, over 10 repeats, 1.03 / 0.99x (medians, scripts/engine_ab.py, Zen 5).
-        capped = req.drafter is None or not self.drafter(req.drafter).capabilities.one_pass
-        k = {"off": 0, "fixed": req.k, "dspark": min(req.k, req.last_verified + 2) if capped else req.k,
-             "batch-table": min(req.k, self.config.table_k(num_decoding))}
+        if req.policy == "dspark":
+            one_pass = self.drafter(req.drafter).capabilities.one_pass
+            k = req.k if one_pass else min(req.k, req.last_verified + 2)
+        else:
+            k = {"off": 0, "fixed": req.k, "batch-table": min(req.k, self.config.table_k(num_decoding))}[req.policy]
         n = len(req.tokens)
-        return max(0, min(k[req.policy], req.params.max_tokens - len(req.stopper.output) - 1, self.limit - n - 1))
+        return max(0, min(k, req.params.max_tokens - len(req.stopper.output) - 1, self.limit - n - 1))
 
     def _run_step(self, outputs: list[RequestOutput]) -> None:
         # Who decodes this step: everyone whose uncached prompt fits in what is left of the prefill chunk.
