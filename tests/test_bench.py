@@ -52,7 +52,7 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
-                           min_requests=2, max_tokens=6, max_prompt_tokens=20, dtype="fp32",
+                           min_requests=2, max_tokens=6, max_prompt_tokens=40, dtype="fp32",
                            poisson_rates=(50.0, 100.0), poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64)
     report = run(cfg, tmp_path / "out", progress=False)
     names = {r["arm"] for r in report["results"]}
@@ -65,6 +65,9 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
         assert r["aggregate_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert set(r["ttft_s"]) == {"p50", "p90", "p99"} and r["requests"] >= 2
         assert r["pool"]["preemptions"] >= 0 and 0 < r["pool"]["kv_peak_use"] <= 1  # a 64-position pool
+        # Every load starts its prompt list over: only an empty prefix cache keeps the previous load's (and the
+        # warm-up's) blocks from hitting, unevenly across arms. Within one load these prompts share no prefix.
+        assert r["pool"]["prefix_hit_rate"] == 0, (r["arm"], r.get("clients", r.get("rate")))
     for r in report["open_loop"]:
         assert {"offered_rate", "completed_rate", "queue_slope", "sustained"} <= set(r) and r["failed"] == 0
     assert set(report["sustained"]) == names
