@@ -68,6 +68,9 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
         # Every load starts its prompt list over: only an empty prefix cache keeps the previous load's (and the
         # warm-up's) blocks from hitting, unevenly across arms. Within one load these prompts share no prefix.
         assert r["pool"]["prefix_hit_rate"] == 0, (r["arm"], r.get("clients", r.get("rate")))
+        # what the draft gate did over the load: only the dspark policy's steps can be kept plain
+        assert 0 < r["pool"]["steps"] and 0 <= r["pool"]["undrafted_steps"] <= r["pool"]["steps"]
+        assert r["arm"].startswith("dspark/") or r["pool"]["undrafted_steps"] == 0
     for r in report["open_loop"]:
         assert {"offered_rate", "completed_rate", "queue_slope", "sustained"} <= set(r) and r["failed"] == 0
     assert set(report["sustained"]) == names
@@ -78,7 +81,7 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     assert (tmp_path / "out" / "serve_openloop.png").stat().st_size > 0
     summary = (tmp_path / "out" / "serve_summary.md").read_text()
     assert "| arm |" in summary and "## Open loop" in summary and "highest sustained rate" in summary
-    assert "KV pool peak" in summary
+    assert "KV pool peak" in summary and "steps kept plain by the draft gate" in summary
 
 
 def test_method_labels_tell_specs_of_one_drafter_apart():

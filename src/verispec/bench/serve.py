@@ -123,9 +123,9 @@ class LoadResult:
     pool: dict = field(default_factory=dict)  # the engine's KV pool over this load (_pool_use)
 
 
-def _pool_start(engine: Engine) -> tuple[int, int, int]:
+def _pool_start(engine: Engine) -> tuple[int, int, int, int, int]:
     """Start measuring the KV pool over one load (the engine idle between loads): resets the engine's KV peak (read
-    back by _pool_use), empties the prefix cache and returns the preemption and prefix-cache counters so far.
+    back by _pool_use), empties the prefix cache and returns the preemption, prefix-cache and step counters so far.
     Every load takes its prompts from the start of the same list, so blocks left by the warm-up or the load before
     would hit, and unevenly: a 64 MiB cache holds ~18 of these prompts, and at 4 req/s after 2 req/s plain hit 52%
     of its prompt tokens where the MTP arms, whose blocks also carry hidden rows, hit none (Zen 4, open-loop run 14)."""
@@ -133,17 +133,21 @@ def _pool_start(engine: Engine) -> tuple[int, int, int]:
     prefix = engine.prefix
     if prefix is not None:
         prefix.clear()
-    return engine.metrics.preemptions, prefix.queried_tokens if prefix else 0, prefix.hit_tokens if prefix else 0
+    m = engine.metrics
+    return (m.preemptions, prefix.queried_tokens if prefix else 0, prefix.hit_tokens if prefix else 0, m.num_steps,
+            m.undrafted_steps)
 
 
-def _pool_use(engine: Engine, before: tuple[int, int, int]) -> dict:
-    """Preemptions, prefix-cache hit rate (prompt tokens) and the KV pool's peak use since `before`."""
+def _pool_use(engine: Engine, before: tuple[int, int, int, int, int]) -> dict:
+    """Preemptions, prefix-cache hit rate (prompt tokens), the KV pool's peak use, and steps and those the draft gate
+    kept plain (a dspark arm's steps that drafted nothing because drafting did not pay) since `before`."""
     prefix = engine.prefix
     queried = (prefix.queried_tokens if prefix else 0) - before[1]
     hits = (prefix.hit_tokens if prefix else 0) - before[2]
     return {"preemptions": engine.metrics.preemptions - before[0],
             "prefix_hit_rate": hits / queried if queried else 0.0,
-            "kv_peak_use": engine.metrics.peak_kv_tokens / engine.config.cache_budget_tokens}
+            "kv_peak_use": engine.metrics.peak_kv_tokens / engine.config.cache_budget_tokens,
+            "steps": engine.metrics.num_steps - before[3], "undrafted_steps": engine.metrics.undrafted_steps - before[4]}
 
 
 def _pct(xs: list[float]) -> dict:

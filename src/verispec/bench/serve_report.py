@@ -71,7 +71,7 @@ def summary_markdown(report: dict) -> str:
               f"request (greedy, ignore_eos), prompts from the shipped task sets mixed.", "",
               "## Closed loop (C clients, each sending its next request when its last one finished)", ""]
     lines += ["| arm | mode | load | requests | aggregate tok/s | per-user tok/s | τ | verified/round | "
-              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 15]
+              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 16]
     for r in report["results"]:
         lines.append(
             f"| {r['arm']} | {r['mode']} | {r['load']:g} | {r['requests']} | {r['aggregate_tokens_per_s']:.1f} | "
@@ -138,7 +138,7 @@ def _open_loop_lines(report: dict) -> list[str]:
              "both sustain." + (" Rates above the first one an arm did not sustain are not run for it."
                                 if c.get("skip_above_unsustained") else ""), "",
              "| arm | offered req/s | realized | completed req/s | queue growth /s | sustained | per-user tok/s | "
-             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 14]
+             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 15]
     for r in ol:
         lines.append(
             f"| {r['arm']} | {r['rate']:g} | {r['offered_rate']:.2f} | {r['completed_rate']:.2f} | "
@@ -153,15 +153,16 @@ def _open_loop_lines(report: dict) -> list[str]:
     return lines
 
 
-_POOL_HEAD = "preemptions | prefix-cache hits | KV pool peak |"
+_POOL_HEAD = "preemptions | prefix-cache hits | KV pool peak | steps kept plain by the draft gate |"
 
 
 def _pool(r: dict) -> str:
-    """The KV pool columns (reports written before the pool was recorded show dashes)."""
+    """The KV pool and gate columns (reports written before they were recorded show dashes)."""
     p = r.get("pool")
     if not p:
-        return "- | - | - |"
-    return f"{p['preemptions']} | {p['prefix_hit_rate']:.0%} | {p['kv_peak_use']:.1%} |"
+        return "- | - | - | - |"
+    gate = f"{p['undrafted_steps']} of {p['steps']}" if "steps" in p else "-"
+    return f"{p['preemptions']} | {p['prefix_hit_rate']:.0%} | {p['kv_peak_use']:.1%} | {gate} |"
 
 
 def _rate(x: float | None) -> str:
