@@ -205,14 +205,41 @@ def test_goals_compare_dspark_and_fixed1_only_where_both_sustain():
           + _open("dspark/ngram", {1: (True, 20), 2: (True, 16), 3: (True, 9), 4: (True, 8), 5: (True, 3)})
           + _open("fixed-8/ngram", {1: (True, 30), 2: (True, 20), 3: (True, 9), 4: (False, 1)}))
     report = {"open_loop": ol, "sustained": sustained_rates(ol, 0.1)}
-    speed, load = goals(report, cfg)
+    speed, never_slower, load = goals(report, cfg)
     # plain sustains 5 req/s: rates up to 4 count; fixed-1 sustains 1..3; dspark/fixed-1 = 2.0, 2.0, 1.5
     assert [p["rate"] for p in speed["matched_points"]] == [1, 2, 3]
     assert speed["worst_ratio"] == pytest.approx(1.5) and not speed["met"]
+    # over plain at every rate both sustain (1..5, no 80% cut): 2.0, 2.0, 1.5, 2.0, 1.0
+    assert [p["rate"] for p in never_slower["matched_points"]] == [1, 2, 3, 4, 5]
+    assert never_slower["worst_ratio"] == pytest.approx(1.0) and never_slower["met"]
     assert load["off"] == 5 and load["dspark"] == 5 and load["fixed-8"] == 3
     assert load["met"]  # dspark keeps 100% of plain's rate, fixed-8 keeps 60%
     assert report["sustained"]["fixed-1/ngram"]["max_sustained_rate"] == 3
     assert goals({"open_loop": []}, cfg) == []
+
+
+def test_with_the_mtp_drafter_the_dspark_policy_is_also_held_to_mtp_1():
+    """The issue's baseline is MTP-1 once the MTP drafter exists: a bench that runs it compares every other
+    drafter's dspark arm with fixed-1/mtp too, and a dspark arm slower than plain at any rate fails never-slower."""
+    from verispec.bench.serve import ServeBenchConfig
+    from verispec.bench.serve_report import goals
+
+    cfg = ServeBenchConfig(Path("target"), drafters=("mtp:zoo/mtp", "dspark:zoo/dspark"), long_k=8)
+    ol = (_open("off", {1: (True, 10), 2: (True, 8), 3: (True, 6)})
+          + _open("fixed-1/mtp", {1: (True, 12), 2: (True, 8), 3: (False, 1)})
+          + _open("fixed-1/dspark", {1: (True, 5), 2: (True, 4), 3: (False, 1)})
+          + _open("dspark/dspark", {1: (True, 18), 2: (True, 16), 3: (True, 5)}))
+    found = {g["goal"]: g for g in goals({"open_loop": ol}, cfg)}
+    same = found["dspark >= 1.6x per-user speed of fixed k=1 at every rate both sustain, up to 80% of plain's "
+                 "highest sustained rate (dspark)"]
+    mtp1 = found["dspark >= 1.6x per-user speed of MTP-1 (fixed-1/mtp) at every rate both sustain, up to 80% of "
+                 "plain's highest sustained rate (dspark)"]
+    assert same["met"] and same["worst_ratio"] == pytest.approx(3.6)  # 18 / 5 at 1 req/s (plain's 80%: 2.4)
+    assert not mtp1["met"] and mtp1["worst_ratio"] == pytest.approx(1.5)  # 18 / 12
+    assert [p["rate"] for p in mtp1["matched_points"]] == [1, 2]
+    slower = found["dspark never slower than plain per user, at every rate both sustain (dspark)"]
+    assert not slower["met"] and slower["worst_ratio"] == pytest.approx(5 / 6)  # at 3 req/s
+    assert not any("MTP-1" in g and g.endswith("(mtp)") for g in found)  # the MTP arms are not held to themselves
 
 
 def test_the_open_loop_engine_is_not_limited_to_the_closed_loops_clients():
