@@ -147,7 +147,8 @@ def _pool_use(engine: Engine, before: tuple[int, int, int, int, int]) -> dict:
     return {"preemptions": engine.metrics.preemptions - before[0],
             "prefix_hit_rate": hits / queried if queried else 0.0,
             "kv_peak_use": engine.metrics.peak_kv_tokens / engine.config.cache_budget_tokens,
-            "steps": engine.metrics.num_steps - before[3], "undrafted_steps": engine.metrics.undrafted_steps - before[4]}
+            "steps": engine.metrics.num_steps - before[3],
+            "undrafted_steps": engine.metrics.undrafted_steps - before[4]}
 
 
 def _pct(xs: list[float]) -> dict:
