@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from verispec.bench.suite import BenchConfig, run
 
 RECORD_KEYS = {"task", "method", "k", "tau", "acceptance_rate", "accepted_per_pos", "tokens_per_s",
@@ -82,6 +84,29 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     summary = (tmp_path / "out" / "serve_summary.md").read_text()
     assert "| arm |" in summary and "## Open loop" in summary and "highest sustained rate" in summary
     assert "KV pool peak" in summary and "steps kept plain by the draft gate" in summary
+
+
+def test_serve_bench_repeats_the_open_loop_in_rotated_passes(checkpoint_dir, tmp_path, monkeypatch):
+    """`--poisson-repeats 2`: the closed loop once, the open loop twice (every arm at every rate it reached, per
+    pass), one combined record per arm and rate with both passes' speeds, and the summary saying so."""
+    from verispec.bench.serve import ServeBenchConfig, run
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1,), requests_per_client=1,
+                           min_requests=2, max_tokens=4, max_prompt_tokens=40, dtype="fp32", poisson_rates=(50.0,),
+                           poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64, poisson_repeats=2)
+    report = run(cfg, tmp_path / "out", progress=False)
+    assert len(report["results"]) == 5  # one closed-loop load per arm, in the first pass only
+    assert sorted((r["arm"], r["repeat"]) for r in report["open_loop_passes"]) == sorted(
+        (a, rep) for a in {r["arm"] for r in report["results"]} for rep in (0, 1))
+    for r in report["open_loop"]:
+        assert r["passes"] == 2 and len(r["per_user_by_pass"]) == 2 and None not in r["per_user_by_pass"]
+        assert r["sustained"] == (r["sustained_passes"] == 2)
+    assert "2 passes, the arms' order rotated" in (tmp_path / "out" / "serve_summary.md").read_text()
+    from verispec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="poisson_repeats"):
+        ServeBenchConfig(checkpoint_dir, poisson_repeats=0)
 
 
 def test_method_labels_tell_specs_of_one_drafter_apart():

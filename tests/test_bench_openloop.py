@@ -254,3 +254,25 @@ def test_the_open_loop_engine_is_not_limited_to_the_closed_loops_clients():
     assert ServeBenchConfig(Path("target"), concurrency=(1,)).engine_config(arm).max_running == default
     many = ServeBenchConfig(Path("target"), concurrency=(1, 4 * default)).engine_config(arm)
     assert many.max_running == 4 * default and many.max_queued >= many.max_running
+
+
+def test_repeated_passes_take_the_median_speed_and_a_majoritys_verdict():
+    """Three passes of the open loop: per arm and rate the median per-user speed, sustained where at least two
+    passes sustained it, a pass that skipped the rate (it failed a lower one) counting as not; arms in the given
+    order whatever order the passes ran them in; one pass leaves the records as they are."""
+    from verispec.bench.openloop import combine_repeats
+
+    def rec(arm, rate, rep, ok, speed):
+        return {"arm": arm, "repeat": rep, **_open(arm, {rate: (ok, speed)})[0]}
+
+    passes = [rec("b", 1, 0, True, 30), rec("a", 1, 0, True, 10), rec("a", 2, 0, False, 4),
+              rec("a", 1, 1, True, 50), rec("b", 1, 1, False, 20), rec("a", 2, 1, True, 9),
+              rec("b", 1, 2, True, 25), rec("a", 1, 2, True, 12)]  # no pass-2 record of a at 2: as if skipped
+    got = combine_repeats(passes, 3, ["a", "b"])
+    assert [(r["arm"], r["rate"]) for r in got] == [("a", 1), ("a", 2), ("b", 1)]
+    a1, a2, b1 = got
+    assert a1["per_user_tokens_per_s"] == 12 and a1["sustained"] and a1["sustained_passes"] == 3
+    assert a1["per_user_by_pass"] == [10, 50, 12] and "repeat" not in a1
+    assert not a2["sustained"] and a2["sustained_passes"] == 1 and a2["per_user_by_pass"] == [4, 9, None]
+    assert b1["sustained"] and b1["sustained_passes"] == 2 and b1["per_user_tokens_per_s"] == 25
+    assert combine_repeats(passes[:3], 1, ["a", "b"]) == passes[:3]

@@ -244,6 +244,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="serve suite: comma-separated open-loop offered rates (req/s, Poisson; '' for none)")
     p.add_argument("--poisson-duration", type=float, default=None,
                    help="serve suite: seconds of arrivals per open-loop rate")
+    p.add_argument("--poisson-repeats", type=int, default=None,
+                   help="serve suite: passes of the open loop, the arms' order rotated each pass; medians per rate and "
+                        "a majority's verdict (default 1)")
     p.add_argument("--tpot-slo", type=float, default=None,
                    help="serve suite: TPOT p99 SLO in seconds of the 'highest sustained rate under the SLO'")
     p.add_argument("--kv-pool", type=int, default=None,
@@ -323,6 +326,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
         "poisson_rates": tuple(float(r) for r in args.poisson.split(",") if r) if args.poisson is not None else None,
         "poisson_duration_s": args.poisson_duration, "tpot_slo_s": args.tpot_slo,
+        "poisson_repeats": args.poisson_repeats,
         "max_tokens": args.max_tokens, "kv_pool": args.kv_pool,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}

@@ -177,3 +177,29 @@ def matched_rates(a: Sequence[RateResult], b: Sequence[RateResult]) -> list[tupl
     """Pairs of results at the same offered rate that both arms sustained: where they can be compared."""
     by_rate = {r.rate: r for r in b if r.sustained}
     return [(r, by_rate[r.rate]) for r in sorted(a, key=lambda r: r.rate) if r.sustained and r.rate in by_rate]
+
+
+def combine_repeats(records: list[dict], repeats: int, arms: Sequence[str]) -> list[dict]:
+    """One record per (arm, rate) from the open loop's `repeats` passes, in the order of `arms` then rate. Each pass
+    ran the arms in turn, so one phase of a drifting host can sink one arm's pass; over passes the arm's speed is
+    the median (its record: the pass at the lower median) and it sustains a rate where a majority of passes did (a
+    pass that skipped the rate, having failed a lower one, counts as not sustaining it). One pass: unchanged."""
+    if repeats <= 1:
+        return list(records)
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["arm"], r["rate"]), []).append(r)
+    out = []
+    for (arm, rate), rs in sorted(groups.items(), key=lambda kv: (list(arms).index(kv[0][0]), kv[0][1])):
+        by_pass = {r["repeat"]: r for r in rs}
+        speeds = sorted(r["per_user_tokens_per_s"] for r in rs)
+        median = statistics.median(speeds)
+        chosen = min(rs, key=lambda r: (abs(r["per_user_tokens_per_s"] - speeds[(len(speeds) - 1) // 2]),
+                                        r["repeat"]))
+        held = sum(r["sustained"] for r in rs)
+        rec = {k: v for k, v in chosen.items() if k != "repeat"}
+        rec.update(per_user_tokens_per_s=median, sustained=2 * held > repeats, sustained_passes=held, passes=repeats,
+                   per_user_by_pass=[by_pass[p]["per_user_tokens_per_s"] if p in by_pass else None
+                                     for p in range(repeats)])
+        out.append(rec)
+    return out

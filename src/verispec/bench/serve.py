@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from verispec.bench.openloop import OpenLoopConfig, RealClock, Timing, assess, poisson_arrivals, run_open_loop
+from verispec.bench.openloop import (OpenLoopConfig, RealClock, Timing, assess, combine_repeats, poisson_arrivals,
+                                     run_open_loop)
 from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
 from verispec.bench.serve_report import goals, plot, plot_open_loop, summary_markdown, sustained_rates
 from verispec.config import DEFAULT_DTYPE, EngineConfig, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
-from verispec.errors import VerispecError
+from verispec.errors import ConfigError, VerispecError
 from verispec.profile import StepProfile, load_or_measure, plot_profile
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
@@ -56,6 +57,9 @@ class ServeBenchConfig:
     poisson_rates: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
     poisson_duration_s: float = OpenLoopConfig.duration_s
     tpot_slo_s: float = OpenLoopConfig.tpot_slo_s
+    # Passes of the open loop, the arms' order rotated by one each pass; per arm and rate the median per-user speed
+    # and a majority's verdict (openloop.combine_repeats). The closed loop runs in the first pass only.
+    poisson_repeats: int = 1
     dtype: str = DEFAULT_DTYPE
     max_prompt_tokens: int = 384
     min_prompt_tokens: int = 64  # open-loop prompts are cut to lengths drawn uniformly from [min, max]
@@ -64,6 +68,10 @@ class ServeBenchConfig:
     skip_above_unsustained: bool = True
     kv_pool: int = EngineConfig.cache_budget_tokens  # the engine's KV pool (positions)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.poisson_repeats < 1:
+            raise ConfigError(f"poisson_repeats (--poisson-repeats) must be at least 1, got {self.poisson_repeats}")
 
     @classmethod
     def quick(cls, target: Path, **kw) -> ServeBenchConfig:
@@ -244,40 +252,47 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     # One schedule per rate, shared by every arm: the arms see the same arrivals.
     schedules = {r: poisson_arrivals(r, ol.duration_s, random.Random(f"{ol.seed}:{r}")) for r in ol.rates}
     results: list[LoadResult] = []
-    open_results: list[dict] = []
-    for arm in cfg.arms():
-        engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
-        aeng = AsyncEngine(engine).start()
-        try:
-            asyncio.run(_closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
-            for clients in cfg.concurrency:
-                m = engine.metrics
-                before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
-                pool_before = _pool_start(engine)
-                total = max(cfg.min_requests, clients * cfg.requests_per_client)
-                timings, wall = asyncio.run(_closed(aeng, prompts, clients, total, params))
-                res = _summarize(arm, "closed", float(clients), timings, wall, engine, before,
-                                 _pool_use(engine, pool_before))
-                results.append(res)
-                if progress:
-                    print(f"  {arm.name:22s} closed {clients:5d}: aggregate {res.aggregate_tokens_per_s:7.1f} tok/s, "
-                          f"per user {res.per_user_tokens_per_s:6.1f} tok/s, tau {res.tau:.2f}, "
-                          f"ttft p50 {res.ttft_s.get('p50', 0) * 1e3:6.0f} ms", flush=True)
-            for rate, arrivals in sorted(schedules.items()):
-                if cfg.skip_above_unsustained and any(r["arm"] == arm.name and not r["sustained"]
-                                                      for r in open_results):
-                    break
-                pool_before = _pool_start(engine)
-                rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
-                open_results.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
-                                     **asdict(rr), "pool": _pool_use(engine, pool_before)})
-                if progress:
-                    print(f"  {arm.name:22s} {rate:g} req/s: {'sustained' if rr.sustained else 'NOT sustained'} "
-                          f"(completed {rr.completed_rate:.2f}/{rr.offered_rate:.2f} req/s, queue "
-                          f"{rr.queue_slope:+.2f}/s), per user {rr.per_user_tokens_per_s:6.1f} tok/s, "
-                          f"tpot p99 {rr.tpot_s.get('p99', 0) * 1e3:6.1f} ms", flush=True)
-        finally:
-            aeng.shutdown()
+    passes: list[dict] = []  # every open-loop record of every pass
+    arms = cfg.arms()
+    for rep in range(cfg.poisson_repeats if schedules else 1):
+        for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:  # rotated: no arm always runs last
+            engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
+            aeng = AsyncEngine(engine).start()
+            try:
+                asyncio.run(_closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
+                for clients in cfg.concurrency if rep == 0 else ():
+                    m = engine.metrics
+                    before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
+                    pool_before = _pool_start(engine)
+                    total = max(cfg.min_requests, clients * cfg.requests_per_client)
+                    timings, wall = asyncio.run(_closed(aeng, prompts, clients, total, params))
+                    res = _summarize(arm, "closed", float(clients), timings, wall, engine, before,
+                                     _pool_use(engine, pool_before))
+                    results.append(res)
+                    if progress:
+                        print(f"  {arm.name:22s} closed {clients:5d}: aggregate {res.aggregate_tokens_per_s:7.1f} "
+                              f"tok/s, per user {res.per_user_tokens_per_s:6.1f} tok/s, tau {res.tau:.2f}, "
+                              f"ttft p50 {res.ttft_s.get('p50', 0) * 1e3:6.0f} ms", flush=True)
+                mine: list[dict] = []
+                for rate, arrivals in sorted(schedules.items()):
+                    if cfg.skip_above_unsustained and any(not r["sustained"] for r in mine):
+                        break
+                    pool_before = _pool_start(engine)
+                    rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
+                    mine.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
+                                 **asdict(rr), "pool": _pool_use(engine, pool_before), "repeat": rep})
+                    if progress:
+                        print(f"  {arm.name:22s} {rate:g} req/s{f' (pass {rep + 1})' if rep else ''}: "
+                              f"{'sustained' if rr.sustained else 'NOT sustained'} (completed "
+                              f"{rr.completed_rate:.2f}/{rr.offered_rate:.2f} req/s, queue {rr.queue_slope:+.2f}/s), "
+                              f"per user {rr.per_user_tokens_per_s:6.1f} tok/s, "
+                              f"tpot p99 {rr.tpot_s.get('p99', 0) * 1e3:6.1f} ms", flush=True)
+                passes += mine
+            finally:
+                aeng.shutdown()
+    repeats = cfg.poisson_repeats if schedules else 1
+    open_results = combine_repeats(passes, repeats, [a.name for a in arms]) if repeats > 1 else [
+        {k: v for k, v in r.items() if k != "repeat"} for r in passes]
     report = {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                    "threads": torch.get_num_threads()},
@@ -285,6 +300,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                     "per_request_s": profile.per_request_s, "key": profile.key},
         "results": [asdict(r) for r in results],
         "open_loop": open_results,
+        **({"open_loop_passes": passes} if repeats > 1 else {}),
         "sustained": sustained_rates(open_results, cfg.tpot_slo_s),
     }
     report["goals"] = goals(report, cfg)

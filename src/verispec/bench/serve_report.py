@@ -150,13 +150,17 @@ def _open_loop_lines(report: dict) -> list[str]:
              "a 20% warm-up (completions counted one median latency later than arrivals), and the queue (requests "
              "in the system) not growing. Arms are compared only at rates "
              "both sustain." + (" Rates above the first one an arm did not sustain are not run for it."
-                                if c.get("skip_above_unsustained") else ""), "",
+                                if c.get("skip_above_unsustained") else "")
+             + (f" {c['poisson_repeats']} passes, the arms' order rotated by one each pass: per arm and rate the "
+                "median per-user speed (per pass in `serve_results.json`), sustained where a majority of passes "
+                "sustained it (a pass that skipped the rate counts as not); the other columns are the median pass's."
+                if c.get("poisson_repeats", 1) > 1 else ""), "",
              "| arm | offered req/s | realized | completed req/s | queue growth /s | sustained | per-user tok/s | "
              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | " + _POOL_HEAD, "|" + "---|" * 15]
     for r in ol:
         lines.append(
             f"| {r['arm']} | {r['rate']:g} | {r['offered_rate']:.2f} | {r['completed_rate']:.2f} | "
-            f"{r['queue_slope']:+.3f} | {'yes' if r['sustained'] else '**no**'} | {r['per_user_tokens_per_s']:.1f} | "
+            f"{r['queue_slope']:+.3f} | {_held(r)} | {r['per_user_tokens_per_s']:.1f} | "
             f"{r['ttft_s'].get('p50', 0) * 1e3:.0f} | {r['ttft_s'].get('p99', 0) * 1e3:.0f} | "
             f"{r['tpot_s'].get('p50', 0) * 1e3:.1f} | {r['tpot_s'].get('p99', 0) * 1e3:.1f} | {_pool(r)}")
     slo = c["tpot_slo_s"]
@@ -177,6 +181,11 @@ def _pool(r: dict) -> str:
         return "- | - | - | - |"
     gate = f"{p['undrafted_steps']} of {p['steps']}" if "steps" in p else "-"
     return f"{p['preemptions']} | {p['prefix_hit_rate']:.0%} | {p['kv_peak_use']:.1%} | {gate} |"
+
+
+def _held(r: dict) -> str:
+    verdict = "yes" if r["sustained"] else "**no**"
+    return f"{verdict} ({r['sustained_passes']} of {r['passes']} passes)" if "passes" in r else verdict
 
 
 def _rate(x: float | None) -> str:
