@@ -189,8 +189,9 @@ def combine_repeats(records: list[dict], repeats: int, arms: Sequence[str]) -> l
     groups: dict[tuple[str, float], list[dict]] = {}
     for r in records:
         groups.setdefault((r["arm"], r["rate"]), []).append(r)
+    order = {arm: i for i, arm in enumerate(arms)}
     out = []
-    for (arm, rate), rs in sorted(groups.items(), key=lambda kv: (list(arms).index(kv[0][0]), kv[0][1])):
+    for (arm, rate), rs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         by_pass = {r["repeat"]: r for r in rs}
         speeds = sorted(r["per_user_tokens_per_s"] for r in rs)
         median = statistics.median(speeds)

@@ -254,7 +254,8 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     results: list[LoadResult] = []
     passes: list[dict] = []  # every open-loop record of every pass
     arms = cfg.arms()
-    for rep in range(cfg.poisson_repeats if schedules else 1):
+    repeats = cfg.poisson_repeats if schedules else 1
+    for rep in range(repeats):
         for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:  # rotated: no arm always runs last
             engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
             aeng = AsyncEngine(engine).start()
@@ -280,7 +281,8 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                     pool_before = _pool_start(engine)
                     rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
                     mine.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
-                                 **asdict(rr), "pool": _pool_use(engine, pool_before), "repeat": rep})
+                                 **asdict(rr), "pool": _pool_use(engine, pool_before),
+                                 **({"repeat": rep} if repeats > 1 else {})})
                     if progress:
                         print(f"  {arm.name:22s} {rate:g} req/s{f' (pass {rep + 1})' if rep else ''}: "
                               f"{'sustained' if rr.sustained else 'NOT sustained'} (completed "
@@ -290,9 +292,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                 passes += mine
             finally:
                 aeng.shutdown()
-    repeats = cfg.poisson_repeats if schedules else 1
-    open_results = combine_repeats(passes, repeats, [a.name for a in arms]) if repeats > 1 else [
-        {k: v for k, v in r.items() if k != "repeat"} for r in passes]
+    open_results = combine_repeats(passes, repeats, [a.name for a in arms])
     report = {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                    "threads": torch.get_num_threads()},
