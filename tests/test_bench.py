@@ -52,11 +52,27 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
 
     from verispec.bench.serve import ServeBenchConfig, run
 
+    from verispec.bench import serve
+
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    ran: list[tuple[str, float, str]] = []  # (mode, load, arm) in the order the bench ran them
+    for mode, name, arm_at, load_at in (("closed", "_closed_load", 1, 5), ("open", "_open_load", 0, 4)):
+        def logged(*args, _real=getattr(serve, name), _mode=mode, _arm=arm_at, _load=load_at):
+            ran.append((_mode, float(args[_load]), args[_arm].name))
+            return _real(*args)
+
+        monkeypatch.setattr(serve, name, logged)
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
                            min_requests=2, max_tokens=6, max_prompt_tokens=40, dtype="fp32",
                            poisson_rates=(50.0, 100.0), poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64)
     report = run(cfg, tmp_path / "out", progress=False)
+    # Load by load, every arm in turn, the order rotated by one each load: arms compared at a load run together.
+    arms = [a.name for a in cfg.arms()]
+    loads = list(dict.fromkeys((m, x) for m, x, _ in ran))
+    assert loads == [("closed", 1.0), ("closed", 2.0), ("open", 50.0), ("open", 100.0)]
+    assert [(m, x) for m, x, _ in ran] == sorted(((m, x) for m, x, _ in ran), key=loads.index)
+    for i, load in enumerate(loads[:3]):
+        assert [a for m, x, a in ran if (m, x) == load] == arms[i:] + arms[:i]
     names = {r["arm"] for r in report["results"]}
     assert names == {"off", "fixed-1/ngram", "fixed-3/ngram", "batch-table/ngram", "dspark/ngram"}
     assert len(report["results"]) == 5 * 2
@@ -107,6 +123,19 @@ def test_serve_bench_repeats_the_open_loop_in_rotated_passes(checkpoint_dir, tmp
 
     with pytest.raises(ConfigError, match="poisson_repeats"):
         ServeBenchConfig(checkpoint_dir, poisson_repeats=0)
+
+
+def test_serve_bench_runs_a_chosen_subset_of_arms(checkpoint_dir):
+    """`--arms`: only the named arms run, in the bench's own order; a name it does not make is one clear error that
+    lists the valid ones (the CLI prints it as one `error:` line, exit 2)."""
+    from verispec.bench.serve import ServeBenchConfig
+    from verispec.errors import ConfigError
+
+    cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, only_arms=("dspark/ngram", "off"))
+    assert [a.name for a in cfg.arms()] == ["off", "dspark/ngram"]
+    assert len(ServeBenchConfig(checkpoint_dir, drafters=("ngram",)).arms()) == 5  # none named: all of them
+    with pytest.raises(ConfigError, match=r"unknown serve-bench arms dspark/mtp .*choose from off, fixed-1/ngram"):
+        ServeBenchConfig(checkpoint_dir, drafters=("ngram",), only_arms=("off", "dspark/mtp"))
 
 
 def test_method_labels_tell_specs_of_one_drafter_apart():

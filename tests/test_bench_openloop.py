@@ -242,6 +242,20 @@ def test_with_the_mtp_drafter_the_dspark_policy_is_also_held_to_mtp_1():
     assert not any("MTP-1" in g and g.endswith("(mtp)") for g in found)  # the MTP arms are not held to themselves
 
 
+def test_goals_name_only_arms_that_ran():
+    """A bench run with --arms leaves arms out: a goal whose arms did not run is not reported (as "not met" it would
+    claim a measurement that was never made), and without plain none is."""
+    from verispec.bench.serve import ServeBenchConfig
+    from verispec.bench.serve_report import goals
+
+    cfg = ServeBenchConfig(Path("target"), drafters=("ngram",), long_k=8, only_arms=("off", "dspark/ngram"))
+    ol = _open("off", {1: (True, 10), 2: (True, 8)}) + _open("dspark/ngram", {1: (True, 12), 2: (True, 7)})
+    (never_slower,) = goals({"open_loop": ol}, cfg)
+    assert never_slower["goal"].startswith("dspark never slower than plain")
+    assert never_slower["worst_ratio"] == pytest.approx(7 / 8) and not never_slower["met"]
+    assert goals({"open_loop": _open("dspark/ngram", {1: (True, 12)})}, cfg) == []
+
+
 def test_the_open_loop_engine_is_not_limited_to_the_closed_loops_clients():
     """`--concurrency 1` once made every arm's engine run one request at a time, so the open loop measured a
     one-slot server (plain "saturated" at 4 req/s where the batched engine sustains 12): the engine keeps at least

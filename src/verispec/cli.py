@@ -253,7 +253,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="serve suite: the engine's KV pool in positions (EngineConfig.cache_budget_tokens); a small "
                         "one shows preemptions")
     p.add_argument("--steps", type=int, default=150, help="ablation suite: training steps per arm")
-    p.add_argument("--arms", default=None, help="ablation suite: comma-separated subset of the arms")
+    p.add_argument("--arms", default=None, help="ablation and serve suites: comma-separated subset of the arms (serve: "
+                                                "off, fixed-1/LABEL, fixed-K/LABEL, batch-table/LABEL, dspark/LABEL)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -327,6 +328,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         "poisson_rates": tuple(float(r) for r in args.poisson.split(",") if r) if args.poisson is not None else None,
         "poisson_duration_s": args.poisson_duration, "tpot_slo_s": args.tpot_slo,
         "poisson_repeats": args.poisson_repeats,
+        "only_arms": tuple(a for a in args.arms.split(",") if a) if args.arms else None,
         "max_tokens": args.max_tokens, "kv_pool": args.kv_pool,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}

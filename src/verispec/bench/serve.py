@@ -6,8 +6,9 @@ same schedule for every arm, prompts of mixed lengths from the task sets; per ra
 and the highest rate it sustains with and without a TPOT SLO. Arms are compared "at matched throughput" only at
 rates both sustain. Clients run in-process against the async engine (the server's own engine, without HTTP in the
 way). Per arm and load: per-user tokens/s (each request's output tokens over its latency, averaged), aggregate
-tokens/s, TTFT and TPOT percentiles. Writes serve_results.json, serve_summary.md, serve_pareto.png (closed loop) and
-serve_openloop.png (per-user speed against offered rate).
+tokens/s, TTFT and TPOT percentiles. Loads run one at a time, every arm in turn (their order rotated per load and
+pass), so that the arms compared at a load run close together. Writes serve_results.json, serve_summary.md,
+serve_pareto.png (closed loop) and serve_openloop.png (per-user speed against offered rate).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class ServeBenchConfig:
     # Passes of the open loop, the arms' order rotated by one each pass; per arm and rate the median per-user speed
     # and a majority's verdict (openloop.combine_repeats). The closed loop runs in the first pass only.
     poisson_repeats: int = 1
+    # The arms to run, by name (`off`, `fixed-1/LABEL`, `fixed-K/LABEL`, `batch-table/LABEL`, `dspark/LABEL`; LABEL a
+    # drafter spec's kind); empty: all of them. Fewer arms put the ones compared closer together in time.
+    only_arms: tuple[str, ...] = ()
     dtype: str = DEFAULT_DTYPE
     max_prompt_tokens: int = 384
     min_prompt_tokens: int = 64  # open-loop prompts are cut to lengths drawn uniformly from [min, max]
@@ -72,6 +76,9 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if self.poisson_repeats < 1:
             raise ConfigError(f"poisson_repeats (--poisson-repeats) must be at least 1, got {self.poisson_repeats}")
+        known = [a.name for a in self._all_arms()]
+        if unknown := [a for a in self.only_arms if a not in known]:
+            raise ConfigError(f"unknown serve-bench arms {', '.join(unknown)} (--arms): choose from {', '.join(known)}")
 
     @classmethod
     def quick(cls, target: Path, **kw) -> ServeBenchConfig:
@@ -93,6 +100,9 @@ class ServeBenchConfig:
                             max_queued=4 * running + 64, cache_budget_tokens=self.kv_pool)
 
     def arms(self) -> list[Arm]:
+        return [a for a in self._all_arms() if not self.only_arms or a.name in self.only_arms]
+
+    def _all_arms(self) -> list[Arm]:
         arms = [Arm("off", "off", 0, None)]
         for d in self.drafters:
             label = d.split(":")[0]
@@ -239,6 +249,37 @@ def _prompts(tokenizer: Tokenizer, max_tokens: int, seed: int, min_tokens: int |
     return [p[-rng.randint(min_tokens, max_tokens):] for p in mixed]
 
 
+def _closed_load(cfg: ServeBenchConfig, arm: Arm, engine: Engine, aeng: AsyncEngine, prompts: list[list[int]],
+                 clients: int, params: SamplingParams, progress: bool) -> LoadResult:
+    """One arm's closed loop at `clients` clients."""
+    m = engine.metrics
+    before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
+    pool_before = _pool_start(engine)
+    total = max(cfg.min_requests, clients * cfg.requests_per_client)
+    timings, wall = asyncio.run(_closed(aeng, prompts, clients, total, params))
+    res = _summarize(arm, "closed", float(clients), timings, wall, engine, before, _pool_use(engine, pool_before))
+    if progress:
+        print(f"  {arm.name:22s} closed {clients:5d}: aggregate {res.aggregate_tokens_per_s:7.1f} tok/s, per user "
+              f"{res.per_user_tokens_per_s:6.1f} tok/s, tau {res.tau:.2f}, ttft p50 "
+              f"{res.ttft_s.get('p50', 0) * 1e3:6.0f} ms", flush=True)
+    return res
+
+
+def _open_load(arm: Arm, engine: Engine, aeng: AsyncEngine, prompts: list[list[int]], rate: float,
+               arrivals: list[float], params: SamplingParams, ol: OpenLoopConfig, rep: int | None,
+               progress: bool) -> dict:
+    """One arm's open loop at one offered rate: its record (tagged with the pass where there are several)."""
+    pool_before = _pool_start(engine)
+    rr = assess(rate, asyncio.run(_open_loop(aeng, prompts, arrivals, params)), ol)
+    if progress:
+        print(f"  {arm.name:22s} {rate:g} req/s{f' (pass {rep + 1})' if rep else ''}: "
+              f"{'sustained' if rr.sustained else 'NOT sustained'} (completed {rr.completed_rate:.2f}/"
+              f"{rr.offered_rate:.2f} req/s, queue {rr.queue_slope:+.2f}/s), per user "
+              f"{rr.per_user_tokens_per_s:6.1f} tok/s, tpot p99 {rr.tpot_s.get('p99', 0) * 1e3:6.1f} ms", flush=True)
+    return {"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter, **asdict(rr),
+            "pool": _pool_use(engine, pool_before), **({"repeat": rep} if rep is not None else {})}
+
+
 def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(cfg.target, dtype=cfg.dtype)
@@ -254,48 +295,40 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     results: list[LoadResult] = []
     passes: list[dict] = []  # every open-loop record of every pass
     arms = cfg.arms()
+    order = {a.name: i for i, a in enumerate(arms)}
     repeats = cfg.poisson_repeats if schedules else 1
     for rep in range(repeats):
-        for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:  # rotated: no arm always runs last
-            engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
-            aeng = AsyncEngine(engine).start()
-            try:
+        # Load by load, every arm in turn (its order rotated each load and pass), so that the arms compared at a
+        # load run minutes apart, not a whole pass: a host that drifted between one arm's loads and another's sank
+        # one arm's readings (open-loop runs 15 and 18). Each arm keeps its own engine through the pass, and sees
+        # its loads in the same order as before (closed loop, then rates ascending).
+        loads = [("closed", float(c)) for c in (cfg.concurrency if rep == 0 else ())]
+        loads += [("open", rate) for rate in sorted(schedules)]
+        engines: dict[str, tuple[Engine, AsyncEngine]] = {}
+        mine: dict[str, list[dict]] = {a.name: [] for a in arms}
+        try:
+            for arm in arms:
+                engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
+                engines[arm.name] = engine, (aeng := AsyncEngine(engine).start())
                 asyncio.run(_closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
-                for clients in cfg.concurrency if rep == 0 else ():
-                    m = engine.metrics
-                    before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
-                    pool_before = _pool_start(engine)
-                    total = max(cfg.min_requests, clients * cfg.requests_per_client)
-                    timings, wall = asyncio.run(_closed(aeng, prompts, clients, total, params))
-                    res = _summarize(arm, "closed", float(clients), timings, wall, engine, before,
-                                     _pool_use(engine, pool_before))
-                    results.append(res)
-                    if progress:
-                        print(f"  {arm.name:22s} closed {clients:5d}: aggregate {res.aggregate_tokens_per_s:7.1f} "
-                              f"tok/s, per user {res.per_user_tokens_per_s:6.1f} tok/s, tau {res.tau:.2f}, "
-                              f"ttft p50 {res.ttft_s.get('p50', 0) * 1e3:6.0f} ms", flush=True)
-                mine: list[dict] = []
-                for rate, arrivals in sorted(schedules.items()):
-                    if cfg.skip_above_unsustained and any(not r["sustained"] for r in mine):
-                        break
-                    pool_before = _pool_start(engine)
-                    rr = assess(rate, asyncio.run(_open_loop(aeng, open_prompts, arrivals, params)), ol)
-                    mine.append({"arm": arm.name, "policy": arm.policy, "k": arm.k, "drafter": arm.drafter,
-                                 **asdict(rr), "pool": _pool_use(engine, pool_before),
-                                 **({"repeat": rep} if repeats > 1 else {})})
-                    if progress:
-                        print(f"  {arm.name:22s} {rate:g} req/s{f' (pass {rep + 1})' if rep else ''}: "
-                              f"{'sustained' if rr.sustained else 'NOT sustained'} (completed "
-                              f"{rr.completed_rate:.2f}/{rr.offered_rate:.2f} req/s, queue {rr.queue_slope:+.2f}/s), "
-                              f"per user {rr.per_user_tokens_per_s:6.1f} tok/s, "
-                              f"tpot p99 {rr.tpot_s.get('p99', 0) * 1e3:6.1f} ms", flush=True)
-                passes += mine
-            finally:
+            for i, (mode, load) in enumerate(loads):
+                turn = (rep + i) % len(arms)
+                for arm in arms[turn:] + arms[:turn]:
+                    engine, aeng = engines[arm.name]
+                    if mode == "closed":
+                        results.append(_closed_load(cfg, arm, engine, aeng, prompts, int(load), params, progress))
+                    elif not (cfg.skip_above_unsustained and any(not r["sustained"] for r in mine[arm.name])):
+                        mine[arm.name].append(_open_load(arm, engine, aeng, open_prompts, load, schedules[load],
+                                                         params, ol, rep if repeats > 1 else None, progress))
+        finally:
+            for _, aeng in engines.values():
                 aeng.shutdown()
+        passes += [r for a in arms for r in mine[a.name]]
+    results.sort(key=lambda r: (order[r.arm], r.load))  # the report's tables: arm by arm, as before
     open_results = combine_repeats(passes, repeats, [a.name for a in arms])
     report = {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-                   "threads": torch.get_num_threads()},
+                   "threads": torch.get_num_threads(), "arm_order": "per load"},
         "profile": {"tokens": list(profile.tokens), "seconds": list(profile.seconds),
                     "per_request_s": profile.per_request_s, "key": profile.key},
         "results": [asdict(r) for r in results],
