@@ -62,6 +62,15 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
             return _real(*args)
 
         monkeypatch.setattr(serve, name, logged)
+    started: list = []  # every engine loop the bench starts: never two alive at once (each keeps an OpenMP pool)
+
+    class OneAtATime(serve.AsyncEngine):
+        def start(self):
+            assert not any(a.alive for a in started), "an engine thread is still alive"
+            started.append(self)
+            return super().start()
+
+    monkeypatch.setattr(serve, "AsyncEngine", OneAtATime)
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1, 2), requests_per_client=1,
                            min_requests=2, max_tokens=6, max_prompt_tokens=40, dtype="fp32",
                            poisson_rates=(50.0, 100.0), poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64)
@@ -73,6 +82,7 @@ def test_serve_bench_output_schema(checkpoint_dir, tmp_path, monkeypatch):
     assert [(m, x) for m, x, _ in ran] == sorted(((m, x) for m, x, _ in ran), key=loads.index)
     for i, load in enumerate(loads[:3]):
         assert [a for m, x, a in ran if (m, x) == load] == arms[i:] + arms[:i]
+    assert len(started) == 5 + len(ran) and not any(a.alive for a in started)  # warm-ups, then one per load
     names = {r["arm"] for r in report["results"]}
     assert names == {"off", "fixed-1/ngram", "fixed-3/ngram", "batch-table/ngram", "dspark/ngram"}
     assert len(report["results"]) == 5 * 2

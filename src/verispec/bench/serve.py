@@ -18,6 +18,8 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -249,6 +251,16 @@ def _prompts(tokenizer: Tokenizer, max_tokens: int, seed: int, min_tokens: int |
     return [p[-rng.randint(min_tokens, max_tokens):] for p in mixed]
 
 
+@contextmanager
+def _running(engine: Engine) -> Iterator[AsyncEngine]:
+    """The engine on a loop thread of its own for one load (the thread, with its OpenMP pool, ends with it)."""
+    aeng = AsyncEngine(engine).start()
+    try:
+        yield aeng
+    finally:
+        aeng.shutdown()
+
+
 def _closed_load(cfg: ServeBenchConfig, arm: Arm, engine: Engine, aeng: AsyncEngine, prompts: list[list[int]],
                  clients: int, params: SamplingParams, progress: bool) -> LoadResult:
     """One arm's closed loop at `clients` clients."""
@@ -300,29 +312,30 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     for rep in range(repeats):
         # Load by load, every arm in turn (its order rotated each load and pass), so that the arms compared at a
         # load run minutes apart, not a whole pass: a host that drifted between one arm's loads and another's sank
-        # one arm's readings (open-loop runs 15 and 18). Each arm keeps its own engine through the pass, and sees
-        # its loads in the same order as before (closed loop, then rates ascending).
+        # one arm's readings (open-loop runs 15 and 18). Each arm keeps its engine (its draft gate, its drafters)
+        # through the pass and sees its loads in the same order as before (closed loop, then rates ascending), but
+        # only one engine thread lives at a time: every thread that runs forwards keeps an OpenMP pool, and with
+        # more pools than CPUs libgomp's workers sleep between parallel regions (runs 19-20 with four engine
+        # threads alive: plain's one-client speed halved, threads.py).
         loads = [("closed", float(c)) for c in (cfg.concurrency if rep == 0 else ())]
         loads += [("open", rate) for rate in sorted(schedules)]
-        engines: dict[str, tuple[Engine, AsyncEngine]] = {}
+        engines = {a.name: Engine(target, tokenizer, cfg.engine_config(a), profile=profile) for a in arms}
         mine: dict[str, list[dict]] = {a.name: [] for a in arms}
-        try:
-            for arm in arms:
-                engine = Engine(target, tokenizer, cfg.engine_config(arm), profile=profile)
-                engines[arm.name] = engine, (aeng := AsyncEngine(engine).start())
+        for arm in arms:
+            with _running(engines[arm.name]) as aeng:
                 asyncio.run(_closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
-            for i, (mode, load) in enumerate(loads):
-                turn = (rep + i) % len(arms)
-                for arm in arms[turn:] + arms[:turn]:
-                    engine, aeng = engines[arm.name]
+        for i, (mode, load) in enumerate(loads):
+            turn = (rep + i) % len(arms)
+            for arm in arms[turn:] + arms[:turn]:
+                engine = engines[arm.name]
+                if mode == "open" and cfg.skip_above_unsustained and any(not r["sustained"] for r in mine[arm.name]):
+                    continue
+                with _running(engine) as aeng:
                     if mode == "closed":
                         results.append(_closed_load(cfg, arm, engine, aeng, prompts, int(load), params, progress))
-                    elif not (cfg.skip_above_unsustained and any(not r["sustained"] for r in mine[arm.name])):
+                    else:
                         mine[arm.name].append(_open_load(arm, engine, aeng, open_prompts, load, schedules[load],
                                                          params, ol, rep if repeats > 1 else None, progress))
-        finally:
-            for _, aeng in engines.values():
-                aeng.shutdown()
         passes += [r for a in arms for r in mine[a.name]]
     results.sort(key=lambda r: (order[r.arm], r.load))  # the report's tables: arm by arm, as before
     open_results = combine_repeats(passes, repeats, [a.name for a in arms])
