@@ -180,10 +180,11 @@ def matched_rates(a: Sequence[RateResult], b: Sequence[RateResult]) -> list[tupl
 
 
 def combine_repeats(records: list[dict], repeats: int, arms: Sequence[str]) -> list[dict]:
-    """One record per (arm, rate) from the open loop's `repeats` passes, in the order of `arms` then rate. Each pass
-    ran the arms in turn, so one phase of a drifting host can sink one arm's pass; over passes the arm's speed is
-    the median (its record: the pass at the lower median) and it sustains a rate where a majority of passes did (a
-    pass that skipped the rate, having failed a lower one, counts as not sustaining it). One pass: unchanged."""
+    """One record per (arm, rate) from the open loop's `repeats` passes, in the order of `arms` then rate. Within a
+    pass the arms take each rate in turn, so one phase of a drifting host can still sink one arm's reading; over
+    passes the arm's speed is the median (its record: the pass at the lower median) and it sustains a rate where a
+    majority of passes did (a pass that skipped the rate, having failed a lower one, counts as not sustaining it).
+    One pass: unchanged."""
     if repeats <= 1:
         return list(records)
     groups: dict[tuple[str, float], list[dict]] = {}
