@@ -67,11 +67,11 @@ def arm_engine(target, arm: str) -> Engine:
         drafter = engine.drafter(engine.config.drafter)
         drafter.capabilities = dataclasses.replace(drafter.capabilities, one_pass=False)
     if arm == "dspark-undrafted":
-        engine.gate.draft = lambda requests, clean=True: False
+        engine.gate.draft = lambda requests, clean=True, peak=None: False
     if arm == "dspark-no-backoff":  # probes spaced by probe_cost alone, as before the gate's backoff
         engine.gate.max_backoff = 1
     if arm == "dspark-forced":
-        engine.gate.draft = lambda requests, clean=True: True
+        engine.gate.draft = lambda requests, clean=True, peak=None: True
     return engine
 
 

@@ -280,7 +280,7 @@ def test_while_the_gate_keeps_plain_a_windowed_drafter_gets_no_rows_and_restarts
             sid, start, h)
         engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="block"), drafters={"block": drafter})
         script = iter([True, True] + [False] * 5 + [True] * 3 + [False] * 4)  # then True
-        engine.gate.draft = lambda n, clean=True: next(script, True)
+        engine.gate.draft = lambda n, clean=True, peak=None: next(script, True)
         for i, p in enumerate(prompts):
             engine.add_request(p, params, RequestSpec(), request_id=str(i))
         results = engine.run_until_done()
@@ -468,7 +468,7 @@ def test_the_engine_counts_no_step_where_a_drafter_proposed_cold():
     engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="d"),
                     drafters={"d": ModelDrafter(tiny_model(5))})  # an unrelated model: rounds of about one token
     script = iter([True, True, True, False])  # then True; the first decision is the prefilling step's
-    engine.gate.draft = lambda n, clean=True: next(script, True)
+    engine.gate.draft = lambda n, clean=True, peak=None: next(script, True)
     calls = []
     engine.gate.record = lambda r, d, t, s, counted=True: calls.append((d, counted))
     engine.add_request(list(range(3, 23)), params, RequestSpec())
@@ -494,7 +494,7 @@ def test_a_round_that_proposed_nothing_leaves_the_next_one_warm():
 
     engine = Engine(tiny_model(4), None, EngineConfig(policy="dspark", k=4, drafter="d"),
                     drafters={"d": Sometimes(tiny_model(5))})
-    engine.gate.draft = lambda n, clean=True: True
+    engine.gate.draft = lambda n, clean=True, peak=None: True
     calls = []
     engine.gate.record = lambda r, d, t, s, counted=True: calls.append((d, counted))
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=16, ignore_eos=True), RequestSpec())
@@ -511,7 +511,7 @@ def test_a_request_under_another_policy_catching_up_on_its_prompt_leaves_the_ste
     target = tiny_model(4)
     engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="d"),
                     drafters={"d": _block_drafter(target, 0)})
-    engine.gate.draft = lambda n, clean=True: True
+    engine.gate.draft = lambda n, clean=True, peak=None: True
     calls = []
     engine.gate.record = lambda r, d, t, s, counted=True: calls.append(counted)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -527,3 +527,68 @@ def test_a_request_under_another_policy_catching_up_on_its_prompt_leaves_the_ste
     assert calls[before:] == [False]
     engine.run_until_done()
     assert calls[-1] is True
+
+
+
+def test_peak_is_the_most_requests_of_the_recent_steps():
+    g = DraftGate(window=3)
+    assert [g.peak(n) for n in (4, 3, 3, 3, 1, 2)] == [4, 4, 4, 3, 3, 3]
+    assert [DraftGate(window=1).peak(n) for n in (4, 3, 1)] == [4, 3, 1]
+
+
+def test_a_step_below_a_recent_load_where_drafting_does_not_pay_stays_plain():
+    """A client between two requests leaves a few steps one request short (3 of 4): where drafting pays at 2-3
+    requests but not at 4-7, those steps stay plain; where it pays at both, or the peak is unmeasured, they draft.
+    A step held plain so is not recorded; the others are, at their own count."""
+    g = DraftGate(probe_every=1000, probe_cost=1e-6)
+    for b_req, drafted, tokens in ((2, True, 6), (2, False, 2), (4, True, 8), (4, False, 4)):
+        for _ in range(g.trust + 1):  # the warm-up step, then trusted averages
+            g.record(b_req, drafted, tokens, 0.004)  # 2-3 requests: drafting 3x plain; 4-7: 2x plain
+    assert g.draft(3, peak=4) is True and g.draft(3, peak=9) is True  # 8-15 unmeasured: no bound
+    for _ in range(150):  # (each step counts at most `clip` times the average: the average climbs gradually)
+        g.record(4, True, tokens=8, seconds=0.016)  # drafting turns slower at 4-7 (500 tok/s against 1,000)
+    assert g.draft(3) is True and g.draft(3, peak=4) is False and g.draft(3, peak=3) is True
+    assert g.draft(3, clean=False, peak=4) is False  # a prefilling step too
+    assert g.draft(3, peak=4) is False
+    g.record(3, False, tokens=3, seconds=0.004)
+    assert g.samples[(2, False)] == g.trust  # held plain: not recorded
+    assert g.draft(3, peak=3) is True
+    g.record(3, True, tokens=9, seconds=0.004)
+    assert g.samples[(2, True)] == g.trust + 1  # (the first sample of each choice was the warm-up)
+
+
+def test_a_probe_held_plain_by_the_peak_is_no_probe():
+    g = DraftGate(probe_every=2, probe_cost=1.0)
+    for b_req, drafted, tokens in ((2, True, 2), (2, False, 3), (4, True, 2), (4, False, 8)):
+        for _ in range(g.trust + 1):
+            g.record(b_req, drafted, tokens, 0.004)  # plain pays at both loads: drafting is the probe
+    picks = []
+    for _ in range(6):
+        picks.append(g.draft(3, peak=4))
+        assert 2 not in g.probing  # a probe of drafting held plain leaves none pending
+        g.record(3, False, tokens=3, seconds=0.004)
+    assert picks == [False] * 6 and g.backoff.get(2, 1) == 1  # so no probe backs the spacing off
+    assert g.draft(3, peak=3) is False  # the verdict at 2-3 is plain: no hold, a step recorded as ever
+    g.record(3, False, tokens=3, seconds=0.004)
+    assert g.samples[(2, False)] == g.trust + 3 + 1  # the plain decisions between the three held probes, and this
+
+
+def test_the_engine_hands_the_gate_each_steps_own_count_and_the_recent_peak():
+    """The peak counts prefilling requests too (a returning client is load already) and looks back `window` steps;
+    draft and record get the step's own decoding count."""
+    target = tiny_model(4)
+    engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="d"),
+                    drafters={"d": ModelDrafter(tiny_model(5))})
+    engine.gate.window = 4
+    raw, calls, records = [], [], []
+    peak, draft, record = engine.gate.peak, engine.gate.draft, engine.gate.record
+    engine.gate.peak = lambda n: raw.append(n) or peak(n)
+    engine.gate.draft = lambda n, clean=True, p=None: calls.append((n, p)) or draft(n, clean, p)
+    engine.gate.record = lambda n, *a, **k: records.append(n) or record(n, *a, **k)
+    engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=3, ignore_eos=True), RequestSpec())
+    engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=30, ignore_eos=True), RequestSpec())
+    engine.run_until_done()
+    assert raw[0] == 2 and 1 in raw[:4]  # the short request is done within a few steps
+    assert [p for _, p in calls] == [max(raw[max(0, i - 3) : i + 1]) for i in range(len(raw))]
+    assert [n for n, _ in calls] == raw  # no prompt waits here: the decoding count is the step's count
+    assert set(records) <= {1, 2} and records[-1] == 1

@@ -432,7 +432,8 @@ class Engine:
         t0 = time.perf_counter()
         gated = any(r.policy == "dspark" and r.drafter is not None for r in decoding)
         clean = not prefill and all(len(r.pending) == 1 for r in decoding)  # no prompt rides along: measurable
-        drafting = not gated or self.gate.draft(len(decoding), clean)
+        peak = self.gate.peak(len(decoding) + len(prefill))  # the recent steps' most requests (gate.py)
+        drafting = not gated or self.gate.draft(len(decoding), clean, peak)
         self.metrics.undrafted_steps += not drafting
         emitted_before = self.metrics.num_output_tokens
         rounds = self._draft(decoding, dspark=drafting)

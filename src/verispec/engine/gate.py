@@ -31,11 +31,22 @@ loop, where one request alone has always just arrived: it read drafting at 236 t
 drafting warm ran 700, and kept every heavier load plain too. The choice of a step that is not measured is taken
 again at that load's next clean step (`redo`), so a probe of drafting from plain is two drafted steps, and the
 spacing counts it so.
+
+A step with fewer requests than a recent one drafts only where drafting also pays at that recent load (`peak`, over
+the last `window` steps). Through the server a closed loop of 4 clients keeps one client between requests (its
+reply, its next request, tokenizing) for a step or a few: those steps hold 3 requests, where the lighter bucket
+(2-3) found that drafting pays, so the gate drafted them, each stretch starting cold, and the 4 clients ran at 0.90x
+plain (serve-compare run 39, Zen 4) where in process, with no such gaps, it kept them plain. In one traced run 53
+of 54 such gaps lasted 1-3 steps, hence a window of 4 (a gap's steps and the one before it): an open loop's load
+falls for real when a request ends, and every step held plain after that is drafting forgone. Only the decision
+looks back: a held step is not recorded (it is not the gate's choice at its own load; recorded, held stretches would
+stand for plain's rate where drafting was chosen), and each step is measured at its own count.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -69,6 +80,8 @@ class DraftGate:
     # Steps in a row at one load whose choice is taken again because they could not be measured (record's
     # `counted`): a new request joining in each of them must not keep a choice forever.
     max_redo: int = 2
+    # Steps over which `peak` takes the most requests (see the module's docstring); 1: a step's own count only.
+    window: int = 4
     # (load bucket, drafted) -> moving averages of a step's (committed tokens, seconds)
     sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     warm: set[tuple[int, bool]] = field(default_factory=set)  # choices whose warm-up step was seen, per bucket
@@ -80,14 +93,38 @@ class DraftGate:
     probing: dict[int, bool] = field(default_factory=dict)  # per load bucket: its latest decision was a probe
     redo: dict[int, bool] = field(default_factory=dict)  # per load bucket: the choice to take again (record)
     unmeasured: dict[int, int] = field(default_factory=dict)  # per load bucket: steps in a row not counted
+    recent: deque[int] = field(default_factory=deque)  # requests in each of the last `window` steps (peak)
+    held: bool = False  # the latest decision was held plain by the peak: its step is not recorded
+
+    def peak(self, requests: int) -> int:
+        """The most requests any of the last `window` steps held, this one holding `requests` (decoding or
+        prefilling). Called once per step; draft takes what it returns."""
+        self.recent.append(requests)
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+        return max(self.recent)
 
     @staticmethod
     def bucket(requests: int) -> int:
         return max(requests, 1).bit_length()  # 1, 2-3, 4-7, 8-15, ...
 
-    def draft(self, requests: int, clean: bool = True) -> bool:
+    def draft(self, requests: int, clean: bool = True, peak: int | None = None) -> bool:
         """Whether this step, with `requests` decoding, drafts for its dspark requests. A step that is not
-        `clean` (it also prefills) is not measured: it takes the better choice known, plain until both are."""
+        `clean` (it also prefills) is not measured: it takes the better choice known, plain until both are.
+        `peak`: the recent steps' most requests; where drafting is known not to pay at that load, plain."""
+        drafts = self._choose(requests, clean)
+        self.held = drafts and peak is not None and self.bucket(peak) > self.bucket(requests) and self._plain(
+            self.bucket(peak))
+        if self.held:
+            self.probing.pop(self.bucket(requests), None)  # a probe not taken: no verdict to confirm
+        return drafts and not self.held
+
+    def _plain(self, bucket: int) -> bool:
+        """Whether drafting is known not to pay at this load: trusted averages there, or a lighter load's, say so."""
+        return self._slower_below(bucket) or (self._trusted(bucket) and not self._pays(bucket))
+
+    def _choose(self, requests: int, clean: bool) -> bool:
+        """draft's choice from the averages at this step's own load."""
         b = self.bucket(requests)
         drafted, plain = self.sums.get((b, True)), self.sums.get((b, False))
         if not clean:
@@ -153,7 +190,11 @@ class DraftGate:
     def record(self, requests: int, drafted: bool, tokens: int, seconds: float, counted: bool = True) -> None:
         """A step's committed tokens and wall time (drafting included). Steps that also prefilled are not
         recorded: their time is mostly the prompt's. `counted=False`: a drafted step with a request drafting cold
-        (see the module's docstring); its choice is taken again at this load's next clean step, a probe still."""
+        (see the module's docstring); its choice is taken again at this load's next clean step, a probe still. A step
+        that draft held plain below its peak is not recorded (the module's docstring)."""
+        if self.held:
+            self.held = False
+            return
         b = self.bucket(requests)
         probe = self.probing.pop(b, False)  # taken even by a step that is not counted
         if not counted:
