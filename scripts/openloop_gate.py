@@ -1,7 +1,8 @@
 """What the draft gate costs the dspark policy under open-loop load: plain, the dspark policy as it ships, the
 dspark policy with the gate forced to draft on every step, with the gate never drafting (what carrying the drafter
-costs on its own), and with the gate deciding each step at its own request count alone (`unwindowed`: the gate
-before its `peak`, engine/gate.py), each at the same Poisson schedules (issue 22).
+costs on its own), with the gate deciding each step at its own request count alone (`unwindowed`: the gate before
+its `peak`, engine/gate.py), and with drafting resumed on one kept anchor row (`resume1`: before
+Engine.RESUME_ROWS), each at the same Poisson schedules (issue 22).
 
     python scripts/openloop_gate.py --rates 6,12 --duration 12 --repeats 3 [--arms plain,dspark,unwindowed]
 
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default="plain,dspark,forced",
-                    help="comma-separated: plain, dspark, forced, undrafted, unwindowed")
+                    help="comma-separated: plain, dspark, forced, undrafted, unwindowed, resume1")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = bench.ServeBenchConfig(target=ROOT / "zoo/target")
@@ -54,7 +55,8 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     drafter = f"dspark:{ROOT / 'zoo/dspark'}"
     known = {"plain": ("off", 0, None), "dspark": ("dspark", 8, drafter), "forced": ("dspark", 8, drafter),
-             "undrafted": ("dspark", 8, drafter), "unwindowed": ("dspark", 8, drafter)}
+             "undrafted": ("dspark", 8, drafter), "unwindowed": ("dspark", 8, drafter),
+             "resume1": ("dspark", 8, drafter)}
     names = args.arms.split(",")
     if unknown := [n for n in names if n not in known]:
         ap.error(f"unknown arms {unknown}: choose from {', '.join(known)}")
@@ -70,6 +72,8 @@ def main() -> None:
                 engine.gate.draft = lambda requests, clean=True, peak=None, drafts=name == "forced": drafts
             if name == "unwindowed":  # no step is held below a recent peak: the gate before its window
                 engine.gate.peak = lambda requests: 0
+            if name == "resume1":
+                engine.RESUME_ROWS = 1
             aeng = AsyncEngine(engine).start()
             try:
                 asyncio.run(bench._closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
@@ -84,7 +88,7 @@ def main() -> None:
             finally:
                 aeng.shutdown()
     pairs = [(a, "plain") for a in names if a != "plain" and "plain" in names]
-    pairs += [("dspark", b) for b in ("forced", "unwindowed") if {"dspark", b} <= set(names)]
+    pairs += [("dspark", b) for b in ("forced", "unwindowed", "resume1") if {"dspark", b} <= set(names)]
     for rate in rates:
         for a, b in pairs:
             ratios = [x / y for x, y in zip(speed[(a, rate)], speed[(b, rate)])]

@@ -262,12 +262,14 @@ def _block_drafter(target, window: int):
     return BlockDrafter(model.eval(), target, context_window=window)
 
 
-def test_while_the_gate_keeps_plain_a_windowed_drafter_gets_no_rows_and_restarts_its_context_after_the_gap():
+def test_while_the_gate_keeps_plain_a_windowed_drafter_gets_no_rows_and_resumes_on_the_kept_anchor_rows():
     """Steps the gate keeps plain hand a drafter whose context may have gaps (a windowed block drafter) no hidden
-    rows; when drafting resumes its context restarts at the latest anchor's row, and every output equals plain
+    rows; when drafting resumes it is handed the latest RESUME_ROWS anchors' rows (its context restarts at the first
+    of them after a longer stretch, and goes on without a gap after a shorter one), and every output equals plain
     decoding. A drafter without gaps (the whole context) is handed every round's rows as before."""
     target = tiny_model(4)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)  # no request can finish within the scripted 14 steps
+    keep = Engine.RESUME_ROWS
+    params = SamplingParams(max_tokens=2 * keep + 48, ignore_eos=True)  # none can finish within the script
     prompts = [list(range(3 + i, 23 + i)) for i in range(3)]
     plain = [decode(target, p, params).token_ids for p in prompts]
     for window, gaps in ((4, True), (0, False)):
@@ -276,23 +278,24 @@ def test_while_the_gate_keeps_plain_a_windowed_drafter_gets_no_rows_and_restarts
         accepted, observed = [], []
         accept, observe = drafter.accept, drafter.observe
         drafter.accept = lambda r: accepted.append(r.seq_id) or accept(r)
-        drafter.observe = lambda sid, start, h: observed.append((start, drafter.context_length(sid))) or observe(
-            sid, start, h)
+        drafter.observe = lambda sid, start, h: observed.append(
+            (start, drafter.context_length(sid), next(iter(h.values())).shape[0])) or observe(sid, start, h)
         engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="block"), drafters={"block": drafter})
-        script = iter([True, True] + [False] * 5 + [True] * 3 + [False] * 4)  # then True
+        # drafting; a stretch of plain steps longer than the rows kept; drafting; a shorter one; then drafting
+        script = iter([True, True] + [False] * (keep + 3) + [True] * 3 + [False] * 4)
         engine.gate.draft = lambda n, clean=True, peak=None: next(script, True)
         for i, p in enumerate(prompts):
             engine.add_request(p, params, RequestSpec(), request_id=str(i))
         results = engine.run_until_done()
         assert [results[str(i)].token_ids for i in range(3)] == plain
-        assert engine.metrics.undrafted_steps == 9
-        gapped = [(start, known) for start, known in observed if start > known]
-        if gaps:  # 9 plain steps x 3 requests handed nothing; each of the two gaps restarts every context once, past
-            # all but the last plain step's anchor (5 and 4 plain steps)
-            assert len(accepted) == engine.metrics.num_rounds - 9 * 3
-            assert [start - known for start, known in gapped] == [4] * 3 + [3] * 3
+        assert engine.metrics.undrafted_steps == keep + 7
+        resumed = [(start - known, n) for start, known, n in observed[3:]]  # after the three prompts
+        if gaps:  # the plain steps handed nothing; each stretch's kept anchor rows came when drafting resumed: past
+            # the 3 oldest of the long one (its context restarts), right where the context ended after the short one
+            assert len(accepted) == engine.metrics.num_rounds - (keep + 7) * 3
+            assert resumed == [(3, keep)] * 3 + [(0, 4)] * 3
         else:
-            assert len(accepted) == engine.metrics.num_rounds and not gapped
+            assert len(accepted) == engine.metrics.num_rounds and not resumed
         assert not drafter.live_sequences()
 
 
