@@ -8,8 +8,8 @@ drafter and policy, `--k 8`, the gate as it ships), `unwindowed` (the same with 
 request count alone, as before engine/gate.py's `peak`), `undrafted` (the same with the gate never drafting: what
 carrying the drafter costs alone). C clients each send their next `/v1/completions` request (48 new tokens, greedy,
 ignore_eos; scripts/serve_compare.py's prompts and loop) when the last one returns, 64 requests a run; arms in
-turn, their order rotated by one every repeat. Prints each repeat's aggregate tokens/s, then per C each arm's median
-and its ratios to plain, per repeat and as a median.
+turn, their order rotated by one every repeat. Prints each repeat's aggregate tokens/s, then per C each arm's median,
+its ratios to plain, per repeat and as a median, and the share of its steps the gate kept plain (from /metrics).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import httpx
 
-from serve_compare import DSPARK, closed_loop, prompts
+from serve_compare import DSPARK, closed_loop, engine_counters, prompts
 
 ARMS = ("plain", "dspark", "unwindowed", "undrafted")
 
@@ -76,11 +76,17 @@ def main() -> None:
                     time.sleep(0.5)
             asyncio.run(closed_loop(port, "target", texts, 2, 2, 48))  # warm-up
         agg: dict[tuple[str, int], list[float]] = {}
+        plain_steps: dict[tuple[str, int], list[float]] = {}  # the steps the gate kept plain, of all steps
         for rep in range(args.repeats):
             for c in clients:
                 for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:
+                    before = engine_counters(ports[arm])
                     r = asyncio.run(closed_loop(ports[arm], "target", texts, c, max(64 // c, 1), 48, args.vary))
+                    after = engine_counters(ports[arm])
                     agg.setdefault((arm, c), []).append(r["aggregate"])
+                    steps = after["engine_steps"] - before["engine_steps"]
+                    kept = after["engine_undrafted_steps"] - before["engine_undrafted_steps"]
+                    plain_steps.setdefault((arm, c), []).append(kept / max(steps, 1))
                 print(f"repeat {rep} clients {c}: " + ", ".join(f"{a} {agg[(a, c)][-1]:.0f}" for a in arms),
                       flush=True)
         for c in clients:
@@ -90,7 +96,8 @@ def main() -> None:
                 if arm != "plain":
                     ratios = [x / y for x, y in zip(agg[(arm, c)], agg[("plain", c)])]
                     print(f"  {arm} / plain: median {statistics.median(ratios):.3f}; per repeat "
-                          + " ".join(f"{r:.2f}" for r in ratios))
+                          + " ".join(f"{r:.2f}" for r in ratios)
+                          + f"; steps kept plain {100 * statistics.median(plain_steps[(arm, c)]):.1f}% (median)")
     finally:
         for p in procs.values():
             p.terminate()

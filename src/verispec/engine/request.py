@@ -53,9 +53,9 @@ class Request:
     # the prompt rows' hidden states its drafter read, (first position, {layer: [n, d]}) per forward, kept for the
     # prefix cache until its first round stores the prompt's blocks
     prompt_hidden: list[tuple[int, dict[int, torch.Tensor]]] = field(default_factory=list)
-    # while the draft gate keeps it plain and its drafter takes context gaps: its latest anchors' rows, (position,
-    # {layer: [1, d]}) oldest first (Engine.RESUME_ROWS at most), observed if drafting resumes
-    resume_rows: list[tuple[int, dict[int, torch.Tensor]]] = field(default_factory=list)
+    # while the draft gate keeps it plain and its drafter takes context gaps: its latest anchors' rows, oldest first
+    # (Engine.RESUME_ROWS at most), observed if drafting resumes: (position, {layer: [n, d]} of a step, its row there)
+    resume_rows: list[tuple[int, dict[int, torch.Tensor], int]] = field(default_factory=list)
 
     @property
     def recomputing(self) -> bool:
