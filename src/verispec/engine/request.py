@@ -54,7 +54,7 @@ class Request:
     # prefix cache until its first round stores the prompt's blocks
     prompt_hidden: list[tuple[int, dict[int, torch.Tensor]]] = field(default_factory=list)
     # while the draft gate keeps it plain and its drafter takes context gaps: its latest anchors' rows, oldest first
-    # (Engine.RESUME_ROWS at most), observed if drafting resumes: (position, {layer: [n, d]} of a step, its row there)
+    # (Engine.RESUME_ROWS at most), observed if drafting resumes: (position, a step's {layer: [n, d]}, its row there)
     resume_rows: list[tuple[int, dict[int, torch.Tensor], int]] = field(default_factory=list)
 
     @property
