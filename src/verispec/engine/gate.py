@@ -41,9 +41,10 @@ of 54 such gaps lasted 1-3 steps, hence a window of 4 (a gap's steps and the one
 falls for real when a request ends, and every step held plain after that is drafting forgone (in process at 2 and 6
 req/s the hold took 7 of 648 and 30 of 1,254 steps). Only the decision looks back: a held step is not recorded (it
 is not the gate's choice at its own load; recorded, held stretches would stand for plain's rate where drafting was
-chosen), and each step is measured at its own count. Through the server at 4 clients the hold halves the drafted
-steps (3.1% against 7.9%); what that buys is inside the host's noise there: dspark over plain 0.958 against 0.927
-without the hold in one A/B of 16 repeats, 0.927 against 0.948 in another (scripts/gate_peak_ab.py, Zen 4).
+chosen), and each step is measured at its own count. Through the server at 4 clients the hold cuts the drafted
+steps (1.3-3.1% against 6.2-11.2%); what that buys is inside the host's noise there: dspark over plain 0.955 and
+0.939 against 0.946 and 0.933 without the hold, in two A/Bs of 16 repeats on a quiet host (scripts/gate_peak_ab.py,
+Zen 4; reports/serve-compare).
 """
 
 from __future__ import annotations
