@@ -7,10 +7,10 @@ Engine.RESUME_ROWS), each at the same Poisson schedules (issue 22).
     python scripts/openloop_gate.py --rates 6,12 --duration 12 --repeats 3 [--arms plain,dspark,unwindowed]
 
 In process on the async engine, as `verispec bench serve` runs its open loop (its prompts, 64 new tokens, greedy,
-ignore_eos), with the bench's cached step profile. Arms run one after another within a repeat, their order rotated
-by one every repeat. Per arm and rate it prints the per-user tokens/s and how many steps the gate kept plain; at the
-end, per rate, each arm's per-user speed over plain's (and the gated arm's over the forced arm's), per repeat and as
-a median.
+ignore_eos), with the bench's cached step profile. Within a repeat the arms take each rate in turn, their order
+rotated by one every rate and repeat. Per arm and rate it prints the per-user tokens/s and how many steps the gate
+kept plain; at the end, per rate, each arm's per-user speed over plain's (and the gated arm's over the forced,
+unwindowed and resume1 arms'), per repeat and as a median.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 from verispec.bench import serve as bench
 from verispec.bench.openloop import assess, poisson_arrivals
 from verispec.config import EngineConfig, SamplingParams
-from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
 from verispec.model.checkpoint import load_model
 from verispec.model.tokenizer import Tokenizer
@@ -64,7 +63,11 @@ def main() -> None:
         ap.error("each arm once: the ratios pair each arm's repeats with plain's")
     speed: dict[tuple[str, float], list[float]] = {}
     for rep in range(args.repeats):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        # Each arm's engine (its gate, its drafters) lives through the repeat; the arms take each rate in turn, their
+        # order rotated by one each rate and repeat, on one loop thread at a time (as `verispec bench serve` runs):
+        # arms a whole repeat's rates apart read the host's phases, not each other.
+        engines = {}
+        for name in names:
             policy, k, spec = known[name]
             engine = Engine(target, tokenizer, EngineConfig(policy=policy, k=k, drafter=spec, max_running=32),
                             profile=profile)
@@ -74,19 +77,21 @@ def main() -> None:
                 engine.gate.peak = lambda requests: 0
             if name == "resume1":
                 engine.RESUME_ROWS = 1
-            aeng = AsyncEngine(engine).start()
-            try:
+            with bench._running(engine) as aeng:
                 asyncio.run(bench._closed(aeng, prompts[:2], 2, 2, SamplingParams(max_tokens=8)))  # warm-up
-                for rate in rates:
-                    arrivals = poisson_arrivals(rate, args.duration, random.Random(f"{ol.seed}:{rate}"))
-                    undrafted, steps = engine.metrics.undrafted_steps, engine.metrics.num_steps
+            engines[name] = engine
+        for i, rate in enumerate(rates):
+            shift = (rep + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                engine = engines[name]
+                arrivals = poisson_arrivals(rate, args.duration, random.Random(f"{ol.seed}:{rate}"))
+                undrafted, steps = engine.metrics.undrafted_steps, engine.metrics.num_steps
+                with bench._running(engine) as aeng:
                     res = assess(rate, asyncio.run(bench._open_loop(aeng, prompts, arrivals, params)), ol)
-                    speed.setdefault((name, rate), []).append(res.per_user_tokens_per_s)
-                    print(f"repeat {rep} {name:20s} {rate:4g} req/s: per user {res.per_user_tokens_per_s:6.1f} tok/s, "
-                          f"sustained {res.sustained}, steps kept plain {engine.metrics.undrafted_steps - undrafted} "
-                          f"of {engine.metrics.num_steps - steps}", flush=True)
-            finally:
-                aeng.shutdown()
+                speed.setdefault((name, rate), []).append(res.per_user_tokens_per_s)
+                print(f"repeat {rep} {name:20s} {rate:4g} req/s: per user {res.per_user_tokens_per_s:6.1f} tok/s, "
+                      f"sustained {res.sustained}, steps kept plain {engine.metrics.undrafted_steps - undrafted} "
+                      f"of {engine.metrics.num_steps - steps}", flush=True)
     pairs = [(a, "plain") for a in names if a != "plain" and "plain" in names]
     pairs += [("dspark", b) for b in ("forced", "unwindowed", "resume1") if {"dspark", b} <= set(names)]
     for rate in rates:
