@@ -19,11 +19,8 @@ import asyncio
 import statistics
 import subprocess
 import sys
-import time
 
-import httpx
-
-from serve_compare import DSPARK, closed_loop, engine_counters, prompts
+from serve_compare import DSPARK, closed_loop, engine_counters, prompts, wait_ready
 
 ARMS = ("plain", "dspark", "unwindowed", "undrafted")
 
@@ -66,14 +63,7 @@ def main() -> None:
     procs = {arm: start(arm, port) for arm, port in ports.items()}
     try:
         for arm, port in ports.items():
-            for _ in range(600):
-                try:
-                    httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                    break
-                except httpx.TransportError:
-                    if procs[arm].poll() is not None:
-                        raise SystemExit(f"error: the {arm} server exited ({procs[arm].returncode})")
-                    time.sleep(0.5)
+            wait_ready(procs[arm], port, arm)
             asyncio.run(closed_loop(port, "target", texts, 2, 2, 48))  # warm-up
         agg: dict[tuple[str, int], list[float]] = {}
         plain_steps: dict[tuple[str, int], list[float]] = {}  # the steps the gate kept plain, of all steps

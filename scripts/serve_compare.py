@@ -60,16 +60,21 @@ def start(arm: str, port: int, threads: int, slots: int, prefix_cache_mb: int | 
         if prefix_cache_mb is not None:
             cmd += ["--prefix-cache-mb", str(prefix_cache_mb)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_ready(proc, port, arm, "/health" if arm == "llama-server" else "/ready")
+    return proc, "target"
+
+
+def wait_ready(proc: subprocess.Popen, port: int, arm: str, path: str = "/ready") -> None:
+    """Until the server on `port` answers `path` with 200; exits with an error if it dies or never does."""
     with httpx.Client(timeout=5) as cl:
         for _ in range(1200):
             try:
-                path = "/health" if arm == "llama-server" else "/ready"
                 if cl.get(f"http://127.0.0.1:{port}{path}").status_code == 200:
-                    return proc, "target"
+                    return
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None:
-                raise SystemExit(f"error: the {arm} server exited ({proc.returncode}): {' '.join(cmd)}")
+                raise SystemExit(f"error: the {arm} server exited ({proc.returncode}): {' '.join(map(str, proc.args))}")
             time.sleep(0.25)
     proc.kill()
     raise SystemExit(f"error: the {arm} server did not become ready")
