@@ -45,8 +45,8 @@ class StepKinds:
         run_step, draft = engine._run_step, engine.gate.draft
         decision: list[bool] = []
 
-        def gate(requests: int, clean: bool = True) -> bool:
-            decision.append(draft(requests, clean))
+        def gate(requests: int, clean: bool = True, peak: int | None = None) -> bool:
+            decision.append(draft(requests, clean, peak))
             return decision[-1]
 
         def step(outputs):

@@ -120,7 +120,8 @@ def test_serve_bench_repeats_the_open_loop_in_rotated_passes(checkpoint_dir, tmp
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     cfg = ServeBenchConfig(checkpoint_dir, drafters=("ngram",), long_k=3, concurrency=(1,), requests_per_client=1,
                            min_requests=2, max_tokens=4, max_prompt_tokens=40, dtype="fp32", poisson_rates=(50.0,),
-                           poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64, poisson_repeats=2)
+                           poisson_duration_s=0.2, min_prompt_tokens=8, kv_pool=64, poisson_repeats=2,
+                           capacity_rate=80.0)
     report = run(cfg, tmp_path / "out", progress=False)
     assert len(report["results"]) == 5  # one closed-loop load per arm, in the first pass only
     assert sorted((r["arm"], r["repeat"]) for r in report["open_loop_passes"]) == sorted(
@@ -128,11 +129,22 @@ def test_serve_bench_repeats_the_open_loop_in_rotated_passes(checkpoint_dir, tmp
     for r in report["open_loop"]:
         assert r["passes"] == 2 and len(r["per_user_by_pass"]) == 2 and None not in r["per_user_by_pass"]
         assert r["sustained"] == (r["sustained_passes"] == 2)
-    assert "2 passes, the arms' order rotated" in (tmp_path / "out" / "serve_summary.md").read_text()
+    summary = (tmp_path / "out" / "serve_summary.md").read_text()
+    assert "2 passes, the arms' order rotated" in summary
+    # the capacity rate: every arm in every pass, never skipped, kept apart from the rate grid's records
+    assert list(report["capacity"]) == [r["arm"] for r in report["results"]]
+    for c in report["capacity"].values():
+        assert c["rate"] == 80.0 and c["passes"] == 2 and len(c["by_pass"]) == 2
+    assert all(r["rate"] == 50.0 for r in report["open_loop"])
+    assert "## Capacity (every arm offered 80 req/s" in summary
     from verispec.errors import ConfigError
 
     with pytest.raises(ConfigError, match="poisson_repeats"):
         ServeBenchConfig(checkpoint_dir, poisson_repeats=0)
+    with pytest.raises(ConfigError, match="capacity_rate"):
+        ServeBenchConfig(checkpoint_dir, capacity_rate=0.0)
+    with pytest.raises(ConfigError, match="give --poisson rates too"):
+        ServeBenchConfig(checkpoint_dir, capacity_rate=5.0, poisson_rates=())
 
 
 def test_serve_bench_runs_a_chosen_subset_of_arms(checkpoint_dir):

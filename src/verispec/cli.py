@@ -247,6 +247,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--poisson-repeats", type=int, default=None,
                    help="serve suite: passes of the open loop, the arms' order rotated each pass; medians per rate and "
                         "a majority's verdict (default 1)")
+    p.add_argument("--capacity-rate", type=float, default=None,
+                   help="serve suite: an open-loop rate above every arm's capacity (req/s), run by every arm in every "
+                        "pass: its completion rate there is its capacity, the highest-load goal's reading")
     p.add_argument("--tpot-slo", type=float, default=None,
                    help="serve suite: TPOT p99 SLO in seconds of the 'highest sustained rate under the SLO'")
     p.add_argument("--kv-pool", type=int, default=None,
@@ -327,7 +330,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
         "poisson_rates": tuple(float(r) for r in args.poisson.split(",") if r) if args.poisson is not None else None,
         "poisson_duration_s": args.poisson_duration, "tpot_slo_s": args.tpot_slo,
-        "poisson_repeats": args.poisson_repeats,
+        "poisson_repeats": args.poisson_repeats, "capacity_rate": args.capacity_rate,
         "only_arms": tuple(a for a in args.arms.split(",") if a) if args.arms else None,
         "max_tokens": args.max_tokens, "kv_pool": args.kv_pool,
     }

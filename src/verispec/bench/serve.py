@@ -4,11 +4,13 @@ Closed loop: C clients, each sending its next request when the last one finished
 per-user versus aggregate Pareto plot). Open loop (`bench.openloop`): Poisson arrivals at fixed offered rates, the
 same schedule for every arm, prompts of mixed lengths from the task sets; per rate, whether the arm sustains it,
 and the highest rate it sustains with and without a TPOT SLO. Arms are compared "at matched throughput" only at
-rates both sustain. Clients run in-process against the async engine (the server's own engine, without HTTP in the
-way). Per arm and load: per-user tokens/s (each request's output tokens over its latency, averaged), aggregate
-tokens/s, TTFT and TPOT percentiles. Loads run one at a time, every arm in turn (their order rotated per load and
-pass), so that the arms compared at a load run close together. Writes serve_results.json, serve_summary.md,
-serve_pareto.png (closed loop) and serve_openloop.png (per-user speed against offered rate).
+rates both sustain. Optionally (`capacity_rate`) every arm is also offered a rate above its capacity: overloaded, it
+completes requests at the rate it could sustain, its capacity (serve_report.capacities). Clients run in-process
+against the async engine (the server's own engine, without HTTP in the way). Per arm and load: per-user tokens/s
+(each request's output tokens over its latency, averaged), aggregate tokens/s, TTFT and TPOT percentiles. Loads
+run one at a time, every arm in turn (their order rotated per load and pass), so that the arms compared at a load
+run close together. Writes serve_results.json, serve_summary.md, serve_pareto.png (closed loop) and
+serve_openloop.png (per-user speed against offered rate).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from verispec.bench.openloop import (OpenLoopConfig, RealClock, Timing, assess, combine_repeats, poisson_arrivals,
                                      run_open_loop)
 from verispec.bench.prompts import PROMPT_DIR, TASKS, load_prompts
-from verispec.bench.serve_report import goals, plot, plot_open_loop, summary_markdown, sustained_rates
+from verispec.bench.serve_report import capacities, goals, plot, plot_open_loop, summary_markdown, sustained_rates
 from verispec.config import DEFAULT_DTYPE, EngineConfig, SamplingParams
 from verispec.engine.async_engine import AsyncEngine
 from verispec.engine.engine import Engine
@@ -72,12 +74,22 @@ class ServeBenchConfig:
     # Higher rates than one an arm did not sustain are skipped for it: they cannot raise its highest sustained rate
     # (`openloop.max_sustained`) and each would end with a long backlog to drain.
     skip_above_unsustained: bool = True
+    # An offered rate above every arm's capacity (req/s; None: not run), run by every arm in every pass after its
+    # rates: overloaded, an arm completes requests at its capacity, the rate it could sustain. It reads the highest
+    # load finer than a grid of rates: on 6, 8, 10, 12 req/s all three arms of open-loop run 26 sustained 8 and none
+    # 10, while at 10 their queues grew at 0.2-0.6 (dspark), 0.3-1.1 (plain) and -0.8-1.9 requests/s (fixed-8).
+    capacity_rate: float | None = None
     kv_pool: int = EngineConfig.cache_budget_tokens  # the engine's KV pool (positions)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.poisson_repeats < 1:
             raise ConfigError(f"poisson_repeats (--poisson-repeats) must be at least 1, got {self.poisson_repeats}")
+        if self.capacity_rate is not None and not self.capacity_rate > 0:
+            raise ConfigError(f"capacity_rate (--capacity-rate) must be a positive rate, got {self.capacity_rate}")
+        if self.capacity_rate is not None and not self.poisson_rates:
+            raise ConfigError("the capacity rate (--capacity-rate) is read beside the open loop's rates: give "
+                              "--poisson rates too")
         known = [a.name for a in self._all_arms()]
         if unknown := [a for a in self.only_arms if a not in known]:
             raise ConfigError(f"unknown serve-bench arms {', '.join(unknown)} (--arms): choose from {', '.join(known)}")
@@ -304,8 +316,11 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
     ol = cfg.open_loop()
     # One schedule per rate, shared by every arm: the arms see the same arrivals.
     schedules = {r: poisson_arrivals(r, ol.duration_s, random.Random(f"{ol.seed}:{r}")) for r in ol.rates}
+    overload = [] if cfg.capacity_rate is None else poisson_arrivals(
+        cfg.capacity_rate, ol.duration_s, random.Random(f"{ol.seed}:capacity:{cfg.capacity_rate}"))
     results: list[LoadResult] = []
     passes: list[dict] = []  # every open-loop record of every pass
+    capacity: list[dict] = []  # every arm's record at the capacity rate, per pass
     arms = cfg.arms()
     order = {a.name: i for i, a in enumerate(arms)}
     repeats = cfg.poisson_repeats if schedules else 1
@@ -319,6 +334,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
         # threads alive: plain's one-client speed halved, threads.py).
         loads = [("closed", float(c)) for c in (cfg.concurrency if rep == 0 else ())]
         loads += [("open", rate) for rate in sorted(schedules)]
+        loads += [("capacity", cfg.capacity_rate)] if overload else []
         engines = {a.name: Engine(target, tokenizer, cfg.engine_config(a), profile=profile) for a in arms}
         mine: dict[str, list[dict]] = {a.name: [] for a in arms}
         for arm in arms:
@@ -333,6 +349,9 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
                 with _running(engine) as aeng:
                     if mode == "closed":
                         results.append(_closed_load(cfg, arm, engine, aeng, prompts, int(load), params, progress))
+                    elif mode == "capacity":
+                        capacity.append(_open_load(arm, engine, aeng, open_prompts, load, overload, params, ol, rep,
+                                                   progress))
                     else:
                         mine[arm.name].append(_open_load(arm, engine, aeng, open_prompts, load, schedules[load],
                                                          params, ol, rep if repeats > 1 else None, progress))
@@ -348,6 +367,7 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
         "open_loop": open_results,
         **({"open_loop_passes": passes} if repeats > 1 else {}),
         "sustained": sustained_rates(open_results, cfg.tpot_slo_s),
+        **({"capacity": capacities(capacity, [a.name for a in arms])} if capacity else {}),
     }
     report["goals"] = goals(report, cfg)
     (out / "serve_results.json").write_text(json.dumps(report, indent=1) + "\n")

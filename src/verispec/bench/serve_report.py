@@ -8,6 +8,7 @@ different concurrency).
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,30 @@ def sustained_rates(open_loop: list[dict], tpot_slo_s: float) -> dict[str, dict]
     return {arm: {"max_sustained_rate": max_sustained(_rate_results(open_loop, arm)),
                   "max_rate_under_slo": max_sustained(_rate_results(open_loop, arm), tpot_slo_s),
                   "tpot_slo_s": tpot_slo_s} for arm in arms}
+
+
+def capacities(records: list[dict], arms: list[str]) -> dict[str, dict]:
+    """Per arm (in `arms`' order), from its records at the capacity rate (one per pass): the requests it completed
+    per second there, per pass and as the median, and over plain's in the same pass (the arms of a pass run minutes
+    apart, passes further: the ratio's median pairs like with like). Overloaded, an arm is busy throughout, so its
+    completion rate is its capacity; `overloaded` is False where a majority of passes sustained the rate, which
+    then only bounds the capacity from below."""
+    by_arm: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], {})[r.get("repeat") or 0] = r
+    plain = by_arm.get("off", {})
+    out = {}
+    for arm in (a for a in arms if a in by_arm):
+        passes = by_arm[arm]
+        rates = [passes[p]["completed_rate"] for p in sorted(passes)]
+        ratios = [passes[p]["completed_rate"] / plain[p]["completed_rate"] for p in sorted(passes)
+                  if p in plain and plain[p]["completed_rate"] > 0]
+        held = sum(r["sustained"] for r in passes.values())
+        out[arm] = {"rate": next(iter(passes.values()))["rate"], "completed_rate": statistics.median(rates),
+                    "by_pass": rates, "vs_off": statistics.median(ratios) if ratios else None,
+                    "vs_off_by_pass": ratios, "overloaded": 2 * held < len(passes), "sustained_passes": held,
+                    "passes": len(passes)}
+    return out
 
 
 def _ratios(ol: list[dict], arm: str, baseline: str, limit: float | None) -> list[dict]:
@@ -76,6 +101,10 @@ def goals(report: dict, cfg: ServeBenchConfig) -> list[dict]:
         if fixed_long not in ran:
             continue
         ds, fl = max_sustained(_rate_results(ol, dspark)), max_sustained(_rate_results(ol, fixed_long))
+        cap = report.get("capacity") or {}
+        if all(a in cap for a in ("off", dspark, fixed_long)):
+            out.append(_capacity_goal(cap, dspark, fixed_long, cfg.long_k, label, grid=(plain, ds, fl)))
+            continue
         goal = {"goal": f"at the highest load: dspark sustains >= {KEEP:.0%} of plain's highest sustained rate, "
                         f"fixed-{cfg.long_k} <= {LOSE:.0%} ({label})",
                 "off": plain, "dspark": ds, f"fixed-{cfg.long_k}": fl, "met": False}
@@ -84,6 +113,24 @@ def goals(report: dict, cfg: ServeBenchConfig) -> list[dict]:
                         met=(ds or 0.0) >= KEEP * plain and (fl or 0.0) <= LOSE * plain)
         out.append(goal)
     return out
+
+
+def _capacity_goal(cap: dict, dspark: str, fixed_long: str, long_k: int, label: str,
+                   grid: tuple[float | None, ...]) -> dict:
+    """The highest-load goal on the capacities (`capacities`), the rate grid's highest sustained rates beside them.
+    Met only where every arm was overloaded at the capacity rate: one that sustained it has a capacity above it."""
+    off, ds, fl = cap["off"], cap[dspark], cap[fixed_long]
+    measured = off["overloaded"] and ds["overloaded"] and fl["overloaded"]
+    goal = {"goal": f"at the highest load: dspark's capacity >= {KEEP:.0%} of plain's, fixed-{long_k}'s <= {LOSE:.0%} "
+                    f"(requests completed per second, offered {off['rate']:g} req/s; {label})",
+            "off": off["completed_rate"], "dspark": ds["completed_rate"], f"fixed-{long_k}": fl["completed_rate"],
+            "dspark_vs_off": ds["vs_off"], "fixed_long_vs_off": fl["vs_off"],
+            "grid_off": grid[0], "grid_dspark": grid[1], f"grid_fixed-{long_k}": grid[2],
+            "met": measured and ds["vs_off"] is not None and fl["vs_off"] is not None
+            and ds["vs_off"] >= KEEP and fl["vs_off"] <= LOSE}
+    if not measured:
+        goal["why"] = "an arm sustained the capacity rate (its capacity is above it): raise --capacity-rate"
+    return goal
 
 
 def summary_markdown(report: dict) -> str:
@@ -178,6 +225,25 @@ def _open_loop_lines(report: dict) -> list[str]:
               "|---|---|---|"]
     for arm, s in report["sustained"].items():
         lines.append(f"| {arm} | {_rate(s['max_sustained_rate'])} | {_rate(s['max_rate_under_slo'])} |")
+    return lines + _capacity_lines(report)
+
+
+def _capacity_lines(report: dict) -> list[str]:
+    cap = report.get("capacity") or {}
+    if not cap:
+        return []
+    rate = next(iter(cap.values()))["rate"]
+    lines = ["", f"## Capacity (every arm offered {rate:g} req/s, above what it sustains)", "",
+             "Overloaded, an arm is busy throughout and completes requests at its capacity: the rate it could "
+             "sustain, read finer than the grid of rates. Over plain: the median of per-pass ratios (each pass runs "
+             "the arms close together).", "",
+             "| arm | completed req/s (median) | per pass | over plain | per pass | overloaded in |",
+             "|---|---|---|---|---|---|"]
+    for arm, c in cap.items():
+        vs = "-" if c["vs_off"] is None else f"{c['vs_off']:.3f}"
+        lines.append(f"| {arm} | {c['completed_rate']:.2f} | {', '.join(f'{x:.2f}' for x in c['by_pass'])} | {vs} | "
+                     f"{', '.join(f'{x:.3f}' for x in c['vs_off_by_pass'])} | "
+                     f"{c['passes'] - c['sustained_passes']} of {c['passes']} passes |")
     return lines
 
 
