@@ -135,6 +135,8 @@ def test_serve_bench_repeats_the_open_loop_in_rotated_passes(checkpoint_dir, tmp
     assert list(report["capacity"]) == [r["arm"] for r in report["results"]]
     for c in report["capacity"].values():
         assert c["rate"] == 80.0 and c["passes"] == 2 and len(c["by_pass"]) == 2
+    assert sorted((r["arm"], r["repeat"]) for r in report["capacity_passes"]) == sorted(
+        (a, rep) for a in report["capacity"] for rep in (0, 1))  # the records, to re-derive capacities from
     assert all(r["rate"] == 50.0 for r in report["open_loop"])
     assert "## Capacity (every arm offered 80 req/s" in summary
     from verispec.errors import ConfigError

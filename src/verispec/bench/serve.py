@@ -367,7 +367,8 @@ def run(cfg: ServeBenchConfig, out: Path, progress: bool = True) -> dict:
         "open_loop": open_results,
         **({"open_loop_passes": passes} if repeats > 1 else {}),
         "sustained": sustained_rates(open_results, cfg.tpot_slo_s),
-        **({"capacity": capacities(capacity, [a.name for a in arms])} if capacity else {}),
+        **({"capacity": capacities(capacity, [a.name for a in arms]), "capacity_passes": capacity} if capacity
+           else {}),
     }
     report["goals"] = goals(report, cfg)
     (out / "serve_results.json").write_text(json.dumps(report, indent=1) + "\n")
