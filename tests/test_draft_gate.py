@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from conftest import tiny_model
 
 from verispec.config import EngineConfig, RequestSpec, SamplingParams
@@ -342,7 +343,8 @@ def test_the_gate_times_the_whole_step_cache_growth_included(monkeypatch):
     record = engine.gate.record
     monkeypatch.setattr(engine, "_grow", slow_grow)
     monkeypatch.setattr(engine.gate, "record",
-                        lambda r, d, t, s, counted=True: (recorded.append(s), record(r, d, t, s, counted)))
+                        lambda r, d, t, s, counted=True, expected=None: (recorded.append(s),
+                                                                         record(r, d, t, s, counted, expected)))
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=24, ignore_eos=True), RequestSpec())
     engine.run_until_done()
     assert len(recorded) >= 5 and len(grows) == engine.metrics.num_steps
@@ -473,7 +475,7 @@ def test_the_engine_counts_no_step_where_a_drafter_proposed_cold():
     script = iter([True, True, True, False])  # then True; the first decision is the prefilling step's
     engine.gate.draft = lambda n, clean=True, peak=None: next(script, True)
     calls = []
-    engine.gate.record = lambda r, d, t, s, counted=True: calls.append((d, counted))
+    engine.gate.record = lambda r, d, t, s, counted=True, expected=None: calls.append((d, counted))
     engine.add_request(list(range(3, 23)), params, RequestSpec())
     out = engine.run_until_done()
     assert len(next(iter(out.values())).token_ids) == 16
@@ -499,7 +501,7 @@ def test_a_round_that_proposed_nothing_leaves_the_next_one_warm():
                     drafters={"d": Sometimes(tiny_model(5))})
     engine.gate.draft = lambda n, clean=True, peak=None: True
     calls = []
-    engine.gate.record = lambda r, d, t, s, counted=True: calls.append((d, counted))
+    engine.gate.record = lambda r, d, t, s, counted=True, expected=None: calls.append((d, counted))
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=16, ignore_eos=True), RequestSpec())
     out = engine.run_until_done()
     assert len(next(iter(out.values())).token_ids) == 16
@@ -516,7 +518,7 @@ def test_a_request_under_another_policy_catching_up_on_its_prompt_leaves_the_ste
                     drafters={"d": _block_drafter(target, 0)})
     engine.gate.draft = lambda n, clean=True, peak=None: True
     calls = []
-    engine.gate.record = lambda r, d, t, s, counted=True: calls.append(counted)
+    engine.gate.record = lambda r, d, t, s, counted=True, expected=None: calls.append(counted)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     engine.add_request(list(range(3, 23)), params, RequestSpec(), request_id="a")
     for _ in range(4):  # "a" prefills, then drafts: cold once, then warm
@@ -595,3 +597,66 @@ def test_the_engine_hands_the_gate_each_steps_own_count_and_the_recent_peak():
     assert [p for _, p in calls] == [max(raw[max(0, i - 3) : i + 1]) for i in range(len(raw))]
     assert [n for n, _ in calls] == raw  # no prompt waits here: the decoding count is the step's count
     assert set(records) <= {1, 2} and records[-1] == 1
+
+
+def test_drafted_steps_average_expected_tokens_scaled_by_the_calibration():
+    """Where the engine gives a drafted step's expected tokens, its load averages those (steadier than the tokens
+    committed, which follow each round's luck) and reads them through the calibration: what drafted steps at every
+    load committed per token expected."""
+    g = warmed(1, decay=0.5)
+    for committed in (1, 9, 1, 9):  # luck around an expectation of 4: committed averages 5, expected 4
+        g.record(1, True, tokens=committed, seconds=0.004, expected=4.0)
+    assert g.sums[(1, True)] == (4.0, 0.004)  # at this load: the expectation, whatever the luck
+    assert g.calibration == (5.0, 4.0) and g.calibrated == 4  # a plain mean while there are few
+    assert math.isclose(g.rates[(1, True)], 5.0 / 0.004)  # 4 expected x 5/4 committed per expected
+    without = warmed(1, decay=0.5)  # no expectation given: committed tokens, as before
+    for committed in (1, 9, 1, 9):
+        without.record(1, True, tokens=committed, seconds=0.004)
+    assert without.sums[(1, True)][0] == 0.5 * (0.5 * (0.5 * 1 + 0.5 * 9) + 0.5 * 1) + 0.5 * 9
+    assert not without.calibrated
+
+
+def test_the_calibration_pools_every_load_and_plain_steps_leave_it_alone():
+    """Drafted steps at one request teach that drafts commit half what they are expected to; a heavier load's first
+    drafted samples are read through it at once."""
+    g = warmed(1)
+    for _ in range(20):
+        g.record(1, True, tokens=2, seconds=0.004, expected=4.0)
+        g.record(1, False, tokens=1, seconds=0.002, expected=None)
+    assert g.calibration == (2.0, 4.0)
+    g.record(4, True, tokens=1, seconds=1.0, expected=1.0)  # the warm-up at 4: not averaged, not calibrating
+    g.record(4, True, tokens=16, seconds=0.01, expected=16.0)  # this one committed what it was expected to
+    assert g.calibrated == 21 and g.calibration == pytest.approx(((20 * 2 + 16) / 21, (20 * 4 + 16) / 21))
+    ratio = g.calibration[0] / g.calibration[1]
+    assert ratio < 0.6 and math.isclose(g.rates[(3, True)], 16.0 * ratio / 0.01)  # 4 requests: bucket 3 (4-7)
+    calibration = g.calibration
+    g.record(4, False, tokens=4, seconds=0.004)
+    assert g.calibration == calibration
+
+
+def test_the_engine_hands_the_gate_the_expected_tokens_of_the_drafts_it_verified():
+    """A drafted, clean step's expectation is the sum over its rounds of 1 + the survivals of the verified nodes
+    (policies.expected_tokens, from the estimator here: the model drafter gives no confidence); plain steps give
+    none."""
+    from verispec.policies import expected_tokens
+
+    target = tiny_model(4)
+    engine = Engine(target, None, EngineConfig(policy="dspark", k=4, drafter="d"),
+                    drafters={"d": ModelDrafter(tiny_model(5))})
+    script = iter([True, True, True, False])
+    engine.gate.draft = lambda n, clean=True, peak=None: next(script, True)
+    seen, want = [], []
+    schedule = engine._schedule
+
+    def spy(rounds, prefill_tokens):
+        schedule(rounds, prefill_tokens)
+        want.append(sum(expected_tokens(r.draft, engine._conditional(r)) for r in rounds))
+
+    engine._schedule = spy
+    engine.gate.record = lambda r, d, t, s, counted=True, expected=None: seen.append((d, expected))
+    engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=16, ignore_eos=True), RequestSpec())
+    engine.run_until_done()
+    drafted = [(e, w) for (d, e), w in zip(seen, want[1:]) if d]  # want[0]: the prefilling step, not recorded
+    assert drafted and all(e is not None and math.isclose(e, w) for e, w in drafted)
+    assert all(w > 1 for _, w in drafted)  # some draft verified in each
+    assert all(e is None for d, e in seen if not d)

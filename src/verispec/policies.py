@@ -35,6 +35,12 @@ def survival(conditional: Sequence[float], parents: Sequence[int] | None = None)
     return out
 
 
+def expected_tokens(draft: Draft, conditional: Sequence[float]) -> float:
+    """The tokens a round verifying `draft` commits on average: its accepted nodes' survivals, plus the token the
+    target adds after them."""
+    return 1 + sum(survival(conditional, draft.parents))
+
+
 def dspark_nodes(
     survivals: Sequence[Sequence[float]],  # per request, a per node (never above its parent's)
     depths: Sequence[Sequence[int]],  # per request, each node's depth (1: a child of the anchor)
@@ -88,7 +94,7 @@ def dspark_cut(
     anchor, the fixed requests' drafts and the prefill rows verified anyway): a chain to a prefix, a tree to a
     subtree."""
     base_tokens = prefill_tokens + sum(len(d.tokens) + 1 for d, _ in fixed) + len(scheduled)
-    base_tau = sum(1 + sum(survival(c, d.parents)) for d, c in fixed) + len(scheduled)
+    base_tau = sum(expected_tokens(d, c) for d, c in fixed) + len(scheduled)
     nodes = dspark_nodes([survival(c, d.parents) for d, c in zip(scheduled, scheduled_c)],
                          [d.node_depths for d in scheduled], base_tokens, base_tau, step_time)
     return [d.keep(n) for d, n in zip(scheduled, nodes)]

@@ -54,7 +54,7 @@ from verispec.errors import ConfigError, QueueFull
 from verispec.metrics import SpecStats
 from verispec.model.tokenizer import Tokenizer
 from verispec.model.transformer import Transformer
-from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, learn_from_proposals
+from verispec.policies import AcceptanceEstimator, conditional, dspark_cut, expected_tokens, learn_from_proposals
 from verispec.profile import StepProfile, load_or_measure
 from verispec.round import (Verdict, accepted_rows, check_draft, keep_accepted, lend_cache, tree_inputs,
                             verify_batch)
@@ -457,6 +457,9 @@ class Engine:
         if any(r.draft.tokens for r in rounds):  # the drafters' cost per drafting step, for the dspark rule
             self._draft_s = elapsed if not self._draft_s else 0.8 * self._draft_s + 0.2 * elapsed
         self._schedule(rounds, prefill_tokens=sum(n for _, n in prefill))
+        # what the verified drafts commit on average, for the gate: steadier than what they commit (gate.py)
+        expected = sum(expected_tokens(r.draft, self._conditional(r)) for r in rounds) if (
+            gate_drafted and clean) else None
 
         # One packed forward: [prefill chunks] then per decoding request [pending..., draft...].
         caches, lengths, tokens, logit_rows, trees = [], [], [], [], []
@@ -501,7 +504,7 @@ class Engine:
             self._commit(rnd, verdict, rows, outputs)
         if gated and clean:  # a step that also prefilled pays mostly for the prompt
             self.gate.record(len(decoding), gate_drafted, self.metrics.num_output_tokens - emitted_before,
-                             time.perf_counter() - self._step_t0, counted=warm)
+                             time.perf_counter() - self._step_t0, counted=warm, expected=expected)
 
     def _keep_resume_rows(self, gaps: list[_Round], hidden: dict[int, torch.Tensor], logit_rows: list[int]) -> None:
         """Rounds the gate kept plain whose drafter takes gaps keep their anchor's row, the latest RESUME_ROWS of
