@@ -18,16 +18,13 @@ import random
 import statistics
 from pathlib import Path
 
-import torch
+from openloop_gate import setup  # scripts/ is on sys.path when this script runs
 
 from verispec.bench import serve as bench
 from verispec.bench.openloop import poisson_arrivals
 from verispec.config import EngineConfig, SamplingParams
 from verispec.engine.engine import Engine
 from verispec.engine.gate import DraftGate
-from verispec.model.checkpoint import load_model
-from verispec.model.tokenizer import Tokenizer
-from verispec.profile import load_or_measure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,12 +56,7 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=20000)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = bench.ServeBenchConfig(target=ROOT / "zoo/target")
-    target = load_model(cfg.target, dtype="bf16")
-    tokenizer = Tokenizer.from_dir(cfg.target)
-    profile = load_or_measure(target, progress=False)
-    prompts = bench._prompts(tokenizer, cfg.max_prompt_tokens, cfg.seed, cfg.min_prompt_tokens)
+    cfg, target, tokenizer, profile, prompts = setup(args.threads)
     arrivals = poisson_arrivals(args.rate, args.duration, random.Random(f"{cfg.seed}:{args.rate}"))
     drafted = steps(target, tokenizer, profile, prompts, arrivals, True)
     plain = steps(target, tokenizer, profile, prompts, arrivals, False)

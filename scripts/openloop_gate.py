@@ -35,6 +35,18 @@ from verispec.profile import load_or_measure
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def setup(threads: int):
+    """The bench's open-loop inputs: its config, the bf16 zoo target with its tokenizer and cached step profile, and
+    the open loop's prompts (64-384 tokens)."""
+    torch.set_num_threads(threads)
+    cfg = bench.ServeBenchConfig(target=ROOT / "zoo/target")
+    target = load_model(cfg.target, dtype="bf16")
+    tokenizer = Tokenizer.from_dir(cfg.target)
+    profile = load_or_measure(target, progress=False)
+    return cfg, target, tokenizer, profile, bench._prompts(tokenizer, cfg.max_prompt_tokens, cfg.seed,
+                                                           cfg.min_prompt_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="6,12", help="offered request rates (req/s)")
@@ -44,12 +56,7 @@ def main() -> None:
     ap.add_argument("--arms", default="plain,dspark,forced",
                     help="comma-separated: plain, dspark, forced, undrafted, unwindowed, resume1, realized")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = bench.ServeBenchConfig(target=ROOT / "zoo/target")
-    target = load_model(cfg.target, dtype="bf16")
-    tokenizer = Tokenizer.from_dir(cfg.target)
-    profile = load_or_measure(target, progress=False)
-    prompts = bench._prompts(tokenizer, cfg.max_prompt_tokens, cfg.seed, cfg.min_prompt_tokens)
+    cfg, target, tokenizer, profile, prompts = setup(args.threads)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     ol = cfg.open_loop()
     rates = [float(r) for r in args.rates.split(",")]
