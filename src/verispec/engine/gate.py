@@ -292,5 +292,6 @@ class DraftGate:
 
     @property
     def rates(self) -> dict[tuple[int, bool], float]:
-        """(load bucket, drafted) -> committed tokens per second of that choice's recent steps."""
+        """(load bucket, drafted) -> committed tokens per second of that choice's recent steps (drafted steps': their
+        calibrated expected tokens, `_sums`)."""
         return {key: self._rate(self._sums(*key)) for key in self.sums}
