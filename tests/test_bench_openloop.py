@@ -342,3 +342,27 @@ def test_the_highest_load_goal_reads_capacities_where_they_were_measured():
     assert not unmeasured["met"] and "raise --capacity-rate" in unmeasured["why"]
     grid = goals({"open_loop": ol}, cfg)[-1]  # no capacity records: the grid's reading, as before
     assert grid["goal"].startswith("at the highest load: dspark sustains >= 97%") and not grid["met"]
+
+
+def test_light_load_reaches_80_percent_of_plains_capacity_where_it_was_measured():
+    """DSpark's speed goal counts rates "from light load to 80% of saturation": saturation is plain's capacity
+    where the capacity rate overloaded it (the grid's highest sustained rate is only a lower bound of it), else
+    that highest sustained rate."""
+    from verispec.bench.serve import ServeBenchConfig
+    from verispec.bench.serve_report import capacities, goals
+
+    cfg = ServeBenchConfig(Path("target"), drafters=("ngram",), long_k=8, only_arms=("off", "fixed-1/ngram",
+                                                                                         "dspark/ngram"))
+    ol = (_open("off", {2: (True, 10), 4: (True, 8), 8: (True, 6)})
+          + _open("fixed-1/ngram", {2: (True, 5), 4: (True, 4), 8: (True, 4)})
+          + _open("dspark/ngram", {2: (True, 9), 4: (True, 8), 8: (True, 5)}))
+    arms = ["off", "fixed-1/ngram", "dspark/ngram"]
+    grid = goals({"open_loop": ol}, cfg)[0]  # plain sustained 8 at most: rates up to 6.4 count
+    assert [p["rate"] for p in grid["matched_points"]] == [2, 4] and grid["met"]
+    assert grid["goal"].endswith("up to 80% of plain's highest sustained rate (ngram)")
+    cap = capacities([_cap(a, 0, 12.0) for a in arms], arms)  # plain's capacity 12: rates up to 9.6 count
+    speed = goals({"open_loop": ol, "capacity": cap}, cfg)[0]
+    assert [p["rate"] for p in speed["matched_points"]] == [2, 4, 8] and not speed["met"]  # 5 / 4 at 8 req/s
+    assert speed["goal"].endswith("up to 80% of plain's capacity (ngram)")
+    idle = capacities([_cap(a, 0, 12.0, queue=0.2) for a in arms], arms)  # not overloaded: the grid's bound
+    assert [p["rate"] for p in goals({"open_loop": ol, "capacity": idle}, cfg)[0]["matched_points"]] == [2, 4]
