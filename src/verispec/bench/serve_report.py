@@ -22,7 +22,7 @@ LIGHT_TO = 0.8  # ... "saturation" being the highest rate plain decoding sustain
 KEEP, LOSE = 0.97, 0.90  # at the highest load: dspark keeps 97% of plain's sustained rate, fixed-long at most 90%
 # At the capacity rate an arm is overloaded where its queue grows by at least this share of the offered rate: busy
 # throughout, so it completes requests at its capacity. Not "not sustained" alone: offered 16 req/s, plain completed
-# 15.3-16.1 with its queue growing 0.4-1.7 a second (Zen 4), idle between bursts, so that read as a lower bound.
+# 15.3-16.1 with its queue growing 0.4-1.7 a second (Zen 4): not busy throughout, so that read as a lower bound.
 OVERLOAD = 0.1
 
 
@@ -126,7 +126,7 @@ def goals(report: dict, cfg: ServeBenchConfig) -> list[dict]:
 def _capacity_goal(cap: dict, dspark: str, fixed_long: str, long_k: int, label: str,
                    grid: tuple[float | None, ...]) -> dict:
     """The highest-load goal on the capacities (`capacities`), the rate grid's highest sustained rates beside them.
-    Met only where every arm was overloaded at the capacity rate (`capacities`)."""
+    Met only where every arm was overloaded at the capacity rate."""
     off, ds, fl = cap["off"], cap[dspark], cap[fixed_long]
     measured = off["overloaded"] and ds["overloaded"] and fl["overloaded"]
     goal = {"goal": f"at the highest load: dspark's capacity >= {KEEP:.0%} of plain's, fixed-{long_k}'s <= {LOSE:.0%} "
@@ -243,9 +243,9 @@ def _capacity_lines(report: dict) -> list[str]:
         return []
     rate = next(iter(cap.values()))["rate"]
     lines = ["", f"## Capacity (every arm offered {rate:g} req/s, above what it sustains)", "",
-             "Overloaded (its queue growing by at least {:.0%} of the offered rate), an arm is busy throughout and "
-             "completes requests at its capacity: the rate it could sustain, read finer than the grid of rates. Over "
-             "plain: the median of per-pass ratios (each pass runs the arms close together).".format(OVERLOAD), "",
+             f"Overloaded (its queue growing by at least {OVERLOAD:.0%} of the offered rate), an arm is busy throughout "
+             "and completes requests at its capacity: the rate it could sustain, read finer than the grid of rates. "
+             "Over plain: the median of per-pass ratios (each pass runs the arms close together).", "",
              "| arm | completed req/s (median) | per pass | over plain | per pass | overloaded in |",
              "|---|---|---|---|---|---|"]
     for arm, c in cap.items():

@@ -36,12 +36,12 @@ A drafted step counts at its load the tokens its verified drafts were expected t
 the sum over its rounds of 1 + each verified node's survival (policies.expected_tokens, from the drafter's
 confidences or the acceptance estimate, as the dspark cut reads them), scaled by what drafted steps at every load
 committed per token expected (`calibration`). What a round commits follows its luck: at one request in an open loop
-(2 req/s, the DSpark drafter, Zen 4) drafted steps committed 3.7 tokens with a standard deviation of 2.5, against
-3.4 +- 1.1 expected, and committed over expected was 1.07 at one request and 1.07 at two or three. A verdict formed
-from a load's first three drafted steps read those 2.5 tokens of luck: in bootstrap draws of three steps of each
-choice at one request, where drafting paid 1.54x, it read drafting below the margin in 26% of draws by committed
-tokens and 11% by expected ones (scripts/gate_verdict_noise.py); at 2-3 requests, where the steps' times vary more,
-19% and 16%. The luck now averages over every load's drafted steps. End to end it is inside the host's noise (per
+(2 req/s, the DSpark drafter, Zen 4; scripts/gate_verdict_noise.py) drafted steps committed 3.54 tokens with a
+standard deviation of 2.43, against 3.34 +- 1.03 expected, and committed over expected was 1.06 at one request and
+1.10 at two or three. A verdict formed from a load's first three drafted steps read that luck: in bootstrap draws of
+three steps of each choice at one request, where drafting paid 1.54x, it read drafting below the margin in 26% of
+draws by committed tokens and 11% by expected ones; at 2-3 requests, where the steps' times vary more, 19% and
+16%. The luck now averages over every load's drafted steps. End to end it is inside the host's noise (per
 user over the committed-token gate 1.02x, 1.01x, 0.93x at 2, 4, 8 req/s, medians of 6 interleaved repeats,
 scripts/openloop_gate.py), and passes whose gate kept most steps plain still happen with either.
 
